@@ -1,0 +1,120 @@
+"""The engine interface the gateway talks to: token ids in, token chunks out.
+
+Two backends implement it: the in-process local engine and an HTTP client for SGLang's native API
+(which `tandem engine` also answers), so the gateway never cares which one it drives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+PauseMode = Literal["abort", "retract", "in_place"]
+FinishType = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """The engine could not serve a request; ``status`` is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 500, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+
+
+class EngineOverloaded(EngineError):
+    def __init__(self, message: str = "the engine queue is full; retry later") -> None:
+        super().__init__(message, 429, retryable=True)
+
+
+class EngineUnavailable(EngineError):
+    def __init__(self, message: str = "no engine is ready") -> None:
+        super().__init__(message, 503, retryable=True)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 means greedy."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (off) or positive")
+
+
+@dataclass(slots=True, frozen=True)
+class Finish:
+    type: FinishType
+    matched: int | str | None = None
+    message: str | None = None
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """New output tokens of one request, all produced by the same weight version.
+
+    ``top_logprobs`` has one list of (token id, logprob) per token when asked for, else is empty.
+    ``finish`` is set on the last chunk of a request (which may carry no tokens).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: str
+    prompt_tokens: int
+    cached_tokens: int
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: Finish | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    model_path: str
+    served_model_name: str
+    weight_version: str
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Engine(Protocol):
+    """One serving replica."""
+
+    replica: str
+
+    def model_info(self) -> ModelInfo: ...
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_key: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[TokenChunk]: ...
+
+    async def health(self) -> bool: ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, model_path: str, weight_version: str) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def close(self) -> None: ...

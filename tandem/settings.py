@@ -1,0 +1,98 @@
+"""The one settings object: environment (``TANDEM_`` prefix), optional TOML file, CLI overrides."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tandem"
+
+
+class Settings(BaseSettings):
+    """Everything tandem reads from its environment, validated once at start-up."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_", toml_file=os.environ.get("TANDEM_CONFIG"), extra="forbid", frozen=True
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str = ""
+    admin_key: SecretStr | None = None
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""
+    engine: Literal["local", "http"] = "local"
+    engine_urls: list[str] = Field(default_factory=list)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    torch_threads: int = Field(0, ge=0, description="0 = torch's default")
+
+    max_batch_size: int = Field(16, ge=1)
+    max_queued_requests: int = Field(256, ge=1)
+    prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+    journal_fsync: Literal["interval", "always"] = "interval"
+    journal_fsync_interval_s: float = Field(0.05, gt=0)
+    log_flush_interval_s: float = Field(0.05, gt=0)
+    log_batch_size: int = Field(256, ge=1)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "console"] = "json"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'tandem.db'}"
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.data_dir / "journal"
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def binds_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def with_overrides(self, **overrides: object) -> Settings:
+        """A copy with the CLI flags that were given (None means not given)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return self.model_validate({**self.model_dump(), **given}) if given else self
