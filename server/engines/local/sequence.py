@@ -1,0 +1,77 @@
+"""The state of one request inside the local engine, and how it decides to stop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from server.detokenizer import Decoder, IncrementalDetokenizer
+from server.engines.base import Finish, SamplingParams, TokenChunk
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    session_key: str | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenChunk]
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish: Finish | None = None
+    cancelled: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        session_key: str | None,
+        tokenizer: Decoder,
+    ) -> Sequence:
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        # Stop strings are matched on text, so only those requests pay for detokenizing.
+        detokenizer = IncrementalDetokenizer(tokenizer) if sampling.stop else None
+        loop = asyncio.get_running_loop()
+        return cls(
+            request_id, list(input_ids), sampling, session_key, loop, asyncio.Queue(), generator, detokenizer
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.cancelled
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def accept(self, token_id: int, eos_token_ids: frozenset[int], context_length: int) -> Finish | None:
+        """Record a sampled token and return why the request ends, if it does."""
+        self.output_ids.append(token_id)
+        sampling = self.sampling
+        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in eos_token_ids):
+            return Finish("stop", matched=token_id)
+        if self.detokenizer is not None:
+            before = len(self.detokenizer.text)
+            if self.detokenizer.push([token_id]):
+                longest = max(len(s) for s in sampling.stop)
+                window = self.detokenizer.text[max(before - longest + 1, 0) :]
+                for stop in sampling.stop:
+                    if stop in window:
+                        return Finish("stop", matched=stop)
+        if (
+            len(self.output_ids) >= sampling.max_new_tokens
+            or len(self.input_ids) + len(self.output_ids) >= context_length
+        ):
+            return Finish("length")
+        return None
+
+    def emit(self, chunk: TokenChunk) -> None:
+        """Hand a chunk to the request's event loop (called from the engine thread)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)

@@ -1,0 +1,65 @@
+"""Loading a model and swapping its weights in place from an HF safetensors folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
+    if layer_types - {DynamicLayer}:
+        names = ", ".join(sorted(t.__name__ for t in layer_types))
+        raise WeightLoadError(
+            f"{path}: the local engine serves full-attention models only (cache layers: {names})"
+        )
+    return model.to(device).eval()
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint folder (single or sharded safetensors)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"{path}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint that does not fit the serving model, before anything is touched."""
+    params = model.state_dict()
+    # A tied weight (lm_head sharing the embedding) is saved once; it is covered by its twin.
+    provided = {params[name].data_ptr() for name in tensors if name in params}
+    missing = [name for name, p in params.items() if name not in tensors and p.data_ptr() not in provided]
+    unexpected = [name for name in tensors if name not in params]
+    wrong = [
+        f"{name} {tuple(tensors[name].shape)} != {tuple(p.shape)}"
+        for name, p in params.items()
+        if name in tensors and tensors[name].shape != p.shape
+    ]
+    problems = [f"missing {missing[:5]}"] * bool(missing) + [f"unexpected {unexpected[:5]}"] * bool(
+        unexpected
+    )
+    if wrong:
+        problems.append(f"wrong shapes {wrong[:5]}")
+    if problems:
+        raise WeightLoadError("checkpoint does not match the served model: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def copy_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite parameters in place (tied weights follow because they share storage)."""
+    for name, param in model.state_dict().items():
+        if name in tensors:
+            param.copy_(tensors[name])
