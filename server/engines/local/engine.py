@@ -150,9 +150,7 @@ class LocalEngine:
         vocab = self._model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise EngineError(f"token ids must be in [0, {vocab})", 400)
-        seq = Sequence.create(
-            request_id or uuid.uuid4().hex, input_ids, sampling, session_key, self._tokenizer
-        )
+        seq = Sequence.create(request_id or uuid.uuid4().hex, input_ids, sampling, session_key, self._tokenizer)
         with self._cond:
             if self._stopping:
                 raise EngineUnavailable("the engine is shutting down")
@@ -222,11 +220,7 @@ class LocalEngine:
         return await asyncio.wrap_future(future)
 
     def _has_work(self) -> bool:
-        return (
-            bool(self._commands)
-            or self._stopping
-            or (not self._paused and bool(self._waiting or self._running))
-        )
+        return bool(self._commands) or self._stopping or (not self._paused and bool(self._waiting or self._running))
 
     def _loop(self) -> None:
         if self._torch_threads:
@@ -364,8 +358,6 @@ class LocalEngine:
             if not seq.done:
                 seq.finish = Finish("abort", message=message)
                 seq.emit(
-                    TokenChunk(
-                        [], [], self.weight_version, len(seq.input_ids), seq.cached_tokens, finish=seq.finish
-                    )
+                    TokenChunk([], [], self.weight_version, len(seq.input_ids), seq.cached_tokens, finish=seq.finish)
                 )
             self._release(seq)

@@ -39,9 +39,7 @@ class Sequence:
         # Stop strings are matched on text, so only those requests pay for detokenizing.
         detokenizer = IncrementalDetokenizer(tokenizer) if sampling.stop else None
         loop = asyncio.get_running_loop()
-        return cls(
-            request_id, list(input_ids), sampling, session_key, loop, asyncio.Queue(), generator, detokenizer
-        )
+        return cls(request_id, list(input_ids), sampling, session_key, loop, asyncio.Queue(), generator, detokenizer)
 
     @property
     def done(self) -> bool:

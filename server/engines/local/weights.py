@@ -19,9 +19,7 @@ def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedMode
     layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
     if layer_types - {DynamicLayer}:
         names = ", ".join(sorted(t.__name__ for t in layer_types))
-        raise WeightLoadError(
-            f"{path}: the local engine serves full-attention models only (cache layers: {names})"
-        )
+        raise WeightLoadError(f"{path}: the local engine serves full-attention models only (cache layers: {names})")
     return model.to(device).eval()
 
 
@@ -48,9 +46,7 @@ def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -
         for name, p in params.items()
         if name in tensors and tensors[name].shape != p.shape
     ]
-    problems = [f"missing {missing[:5]}"] * bool(missing) + [f"unexpected {unexpected[:5]}"] * bool(
-        unexpected
-    )
+    problems = [f"missing {missing[:5]}"] * bool(missing) + [f"unexpected {unexpected[:5]}"] * bool(unexpected)
     if wrong:
         problems.append(f"wrong shapes {wrong[:5]}")
     if problems:
