@@ -1,0 +1,55 @@
+"""Engine and session setup for SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 5000
+POSTGRES_CONNECT_TIMEOUT_S = 10
+
+
+def normalize_url(url: str) -> str:
+    """Point plain ``postgresql://`` URLs at psycopg 3 instead of SQLAlchemy's psycopg2 default."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_engine(url: str, *, sqlite_busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS, **kwargs: Any) -> Engine:
+    """An engine with the pragmas and driver tandem relies on; extra kwargs go to ``create_engine``."""
+    url = normalize_url(url)
+    backend = make_url(url).get_backend_name()
+    if backend == "sqlite":
+        engine = create_engine(url, **kwargs)
+        _configure_sqlite(engine, sqlite_busy_timeout_ms)
+        return engine
+    if backend == "postgresql":
+        connect_args = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S, **kwargs.pop("connect_args", {})}
+        return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    raise ValueError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
+
+
+def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # pysqlite's own transaction handling skips BEGIN before SELECTs, so a read-then-write
+        # transaction would not be atomic; take over and emit BEGIN ourselves (see "begin" below).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN")
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)

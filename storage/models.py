@@ -1,0 +1,165 @@
+"""The ORM tables. Every change here needs an Alembic migration in ``migrations/versions``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from storage.times import UTCDateTime, utcnow
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JsonType,
+        list[Any]: JsonType,
+    }
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(32))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]
+
+
+class EndUser(Base):
+    __tablename__ = "end_users"
+    __table_args__ = (UniqueConstraint("tenant_id", "external_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    external_id: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ConversationSession(Base):
+    __tablename__ = "sessions"
+    __table_args__ = (UniqueConstraint("tenant_id", "session_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_key: Mapped[str] = mapped_column(String(256))
+    end_user_id: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    turn_count: Mapped[int] = mapped_column(default=0)
+    # No foreign key: completions already point at sessions, and this is only a cursor for linking.
+    last_completion_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class Completion(Base):
+    __tablename__ = "completions"
+    __table_args__ = (
+        Index("ix_completions_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_completions_session_id_created_at", "session_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    end_user_id: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="SET NULL"))
+    session_id: Mapped[int | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"))
+    turn_index: Mapped[int | None]
+    previous_completion_id: Mapped[str | None] = mapped_column(ForeignKey("completions.id", ondelete="SET NULL"))
+    request_messages: Mapped[list[Any]]
+    sampling_params: Mapped[dict[str, Any]]
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata")
+    model: Mapped[str] = mapped_column(String(256))
+    weight_version: Mapped[str] = mapped_column(String(128))
+    engine_replica: Mapped[str] = mapped_column(String(256))
+    prompt_token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    prompt_tokens: Mapped[int]
+    cached_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    latency_ms: Mapped[float]
+    ttft_ms: Mapped[float | None]
+    stream: Mapped[bool]
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime]
+
+
+class CompletionChoice(Base):
+    __tablename__ = "completion_choices"
+
+    completion_id: Mapped[str] = mapped_column(ForeignKey("completions.id", ondelete="CASCADE"), primary_key=True)
+    choice_index: Mapped[int] = mapped_column(primary_key=True)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    text: Mapped[str] = mapped_column(Text)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    weight_versions: Mapped[list[Any]]
+
+
+class Feedback(Base):
+    """The current rating of one choice: the latest event wins, ``revision`` counts the events."""
+
+    __tablename__ = "feedback"
+    __table_args__ = (Index("ix_feedback_updated_at", "updated_at"),)
+
+    completion_id: Mapped[str] = mapped_column(ForeignKey("completions.id", ondelete="CASCADE"), primary_key=True)
+    choice_index: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    score: Mapped[float]
+    rating: Mapped[str | None] = mapped_column(String(8))
+    comment: Mapped[str | None] = mapped_column(Text)
+    corrected_answer: Mapped[str | None] = mapped_column(Text)
+    revision: Mapped[int]
+    last_event_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class FeedbackEvent(Base):
+    __tablename__ = "feedback_events"
+    __table_args__ = (Index("ix_feedback_events_completion_id_choice_index", "completion_id", "choice_index"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    completion_id: Mapped[str] = mapped_column(ForeignKey("completions.id", ondelete="CASCADE"))
+    choice_index: Mapped[int]
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    score: Mapped[float]
+    rating: Mapped[str | None] = mapped_column(String(8))
+    comment: Mapped[str | None] = mapped_column(Text)
+    corrected_answer: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]

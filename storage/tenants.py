@@ -1,0 +1,26 @@
+"""Tenants: every key, completion and rating belongs to one."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from storage.dialect_insert import dialect_insert
+from storage.models import Tenant
+from storage.times import utcnow
+
+DEFAULT_TENANT_ID = "default"
+
+
+def ensure_tenant(session: Session, tenant_id: str, name: str | None = None) -> Tenant:
+    """The tenant with this id, created (named ``name``, default the id) if it does not exist yet."""
+    insert = dialect_insert(session, Tenant.__table__)
+    session.execute(insert.values(id=tenant_id, name=name or tenant_id, created_at=utcnow()).on_conflict_do_nothing())
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise ValueError(f"cannot create tenant {tenant_id!r}: the name {name or tenant_id!r} is taken")
+    return tenant
+
+
+def tenant_by_name(session: Session, name: str) -> Tenant | None:
+    return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
