@@ -1,0 +1,32 @@
+"""Engine backends behind one interface (see base.py): in-process local, or SGLang's HTTP API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.engines.base import Engine
+from server.engines.local.engine import LocalEngine
+from server.engines.sglang_client import SGLangClient
+from tandem.settings import Settings
+
+__all__ = ["Engine", "open_engine"]
+
+
+async def open_engine(settings: Settings, model_path: Path | None = None) -> Engine:
+    """A started engine: the in-process one on ``model_path``, or a client of ``settings.engine_urls[0]``."""
+    if settings.engine == "http":
+        if not settings.engine_urls:
+            raise ValueError("engine=http needs at least one engine URL (TANDEM_ENGINE_URLS or --engine-url)")
+        return await SGLangClient.open(settings.engine_urls[0], timeout_s=settings.request_timeout_s)
+    if model_path is None:
+        raise ValueError("the local engine needs a model folder")
+    return await LocalEngine.open(
+        model_path,
+        device=settings.device,
+        dtype=settings.dtype,
+        torch_threads=settings.torch_threads,
+        served_model_name=settings.served_model_name or model_path.name,
+        max_batch_size=settings.max_batch_size,
+        max_queued_requests=settings.max_queued_requests,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+    )

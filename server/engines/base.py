@@ -105,6 +105,7 @@ class Engine(Protocol):
         *,
         session_key: str | None = None,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[TokenChunk]: ...
 
     async def health(self) -> bool: ...

@@ -139,6 +139,7 @@ class LocalEngine:
         *,
         session_key: str | None = None,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[TokenChunk]:
         if not input_ids:
             raise EngineError("input_ids must not be empty", 400)

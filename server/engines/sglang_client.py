@@ -1,0 +1,231 @@
+"""An Engine that drives one server speaking SGLang's native API (real SGLang or `tandem engine`).
+
+Token in, token out over ``/generate`` with ``input_ids``; streamed events carry cumulative
+``output_ids`` and logprobs (SGLang's default), so each event's new tail becomes one TokenChunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from server.engines.base import (
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    ModelInfo,
+    PauseMode,
+    SamplingParams,
+    TokenChunk,
+)
+from server.engines.sglang_protocol import finish_from_json, sampling_to_json
+
+
+def _context_length_from_config(model_path: str) -> int:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(config.get("max_position_embeddings") or 0)
+
+
+class SGLangClient:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, replica: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.replica = replica or self.url
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+        self._session: aiohttp.ClientSession | None = None
+        self._info: ModelInfo | None = None
+
+    @classmethod
+    async def open(cls, url: str, **kwargs: Any) -> SGLangClient:
+        client = cls(url, **kwargs)
+        await client.refresh_model_info()
+        return client
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, json_serialize=lambda o: orjson.dumps(o).decode()
+            )
+        return self._session
+
+    async def refresh_model_info(self) -> ModelInfo:
+        data = await self._get_json("/model_info")
+        path = str(data.get("model_path", ""))
+        context = int(data.get("context_length") or 0) or _context_length_from_config(path)
+        self._info = ModelInfo(
+            model_path=path,
+            served_model_name=str(data.get("served_model_name") or Path(path).name),
+            weight_version=str(data.get("weight_version", "default")),
+            context_length=context,
+            eos_token_ids=(),
+        )
+        return self._info
+
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailable(f"{self.url} has not answered /model_info yet")
+        return self._info
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        try:
+            async with self._http().get(self.url + path) as response:
+                if response.status != 200:
+                    raise EngineUnavailable(f"{self.url}{path} answered {response.status}")
+                return dict(orjson.loads(await response.read()))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise EngineUnavailable(f"{self.url} is unreachable: {exc}") from exc
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._http().post(self.url + path, json=body) as response:
+                raw = await response.read()
+                data = orjson.loads(raw) if raw and response.content_type == "application/json" else {}
+                if response.status != 200 or data.get("success") is False:
+                    raise EngineError(f"{self.url}{path} failed ({response.status}): {_message(data, raw)}", 502)
+                return dict(data)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(f"{self.url} is unreachable: {exc}") from exc
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_key: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[TokenChunk]:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_to_json(sampling),
+            "return_logprob": True,
+            "stream": stream,
+        }
+        if sampling.top_logprobs:
+            body["top_logprobs_num"] = sampling.top_logprobs
+        if request_id:
+            body["rid"] = request_id
+        if session_key:
+            body["routing_key"] = session_key
+        headers = {"X-SMG-Routing-Key": session_key} if session_key else None
+        try:
+            async with self._http().post(self.url + "/generate", json=body, headers=headers) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    raise _status_error(response.status, _message(_try_json(raw), raw))
+                seen = 0
+                if not stream:
+                    for chunk in _chunks_from_final(orjson.loads(await response.read())):
+                        yield chunk
+                    return
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    event = orjson.loads(line[6:])
+                    if "error" in event:
+                        raise EngineError(_message(event, line), 502)
+                    chunk = _chunk_from_event(event, seen)
+                    seen += len(chunk.token_ids)
+                    yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(f"{self.url} failed during generate: {exc}") from exc
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(self.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=20)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._post("/continue_generation", {})
+
+    async def update_weights(self, model_path: str, weight_version: str) -> None:
+        await self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+        await self.refresh_model_info()
+
+    async def flush_cache(self) -> bool:
+        try:
+            async with self._http().post(self.url + "/flush_cache") as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _try_json(raw: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _message(data: dict[str, Any], raw: bytes) -> str:
+    error = data.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return str(data.get("message") or raw[:200].decode(errors="replace"))
+
+
+def _status_error(status: int, message: str) -> EngineError:
+    if status == 429:
+        return EngineOverloaded(message)
+    if status in (502, 503, 504):
+        return EngineUnavailable(message)
+    return EngineError(message, 400 if status == 400 else 502)
+
+
+def _logprobs(meta: dict[str, Any], key: str, start: int) -> list[Any]:
+    return list(meta.get(key) or [])[start:]
+
+
+def _chunk_from_event(event: dict[str, Any], seen: int) -> TokenChunk:
+    meta = event.get("meta_info", {})
+    top = _logprobs(meta, "output_top_logprobs", seen)
+    return TokenChunk(
+        token_ids=list(event.get("output_ids", []))[seen:],
+        logprobs=[float(entry[0]) for entry in _logprobs(meta, "output_token_logprobs", seen)],
+        weight_version=str(meta.get("weight_version", "default")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        top_logprobs=[[(int(alt[1]), float(alt[0])) for alt in alts or []] for alts in top],
+        finish=finish_from_json(meta.get("finish_reason")),
+    )
+
+
+def _chunks_from_final(event: dict[str, Any]) -> list[TokenChunk]:
+    """Split a finished reply into one chunk per weight-version span, so attribution survives."""
+    whole = _chunk_from_event(event, 0)
+    spans = event.get("meta_info", {}).get("weight_versions") or []
+    if len(spans) <= 1:
+        return [whole]
+    chunks = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        chunks.append(
+            TokenChunk(
+                token_ids=whole.token_ids[start:end],
+                logprobs=whole.logprobs[start:end],
+                weight_version=str(span["version"]),
+                prompt_tokens=whole.prompt_tokens,
+                cached_tokens=whole.cached_tokens,
+                top_logprobs=whole.top_logprobs[start:end],
+            )
+        )
+    chunks[-1].finish = whole.finish
+    return chunks

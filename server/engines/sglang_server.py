@@ -1,0 +1,186 @@
+"""`tandem engine`: any Engine behind the subset of SGLang's native HTTP API the gateway uses.
+
+Same paths, fields and shapes as SGLang 0.5.23, so one HTTP client drives both this process and a
+real SGLang server: /generate, /model_info, /health, /health_generate, /update_weights_from_disk,
+/pause_generation, /continue_generation, /flush_cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
+from server.engines.local.weights import WeightLoadError
+from server.engines.sglang_protocol import finish_to_json, sampling_from_json, spans_to_json
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _error(message: str, status: int = 400) -> Response:
+    return _json({"error": {"message": message}}, status)
+
+
+class _Result:
+    """Accumulates chunks into SGLang's ``{"text", "output_ids", "meta_info"}``."""
+
+    def __init__(self, rid: str, tokenizer: Any, return_logprob: bool, top_logprobs: int) -> None:
+        self.rid, self.tokenizer = rid, tokenizer
+        self.return_logprob, self.top_logprobs = return_logprob, top_logprobs
+        self.chunks: list[TokenChunk] = []
+        self.output_ids: list[int] = []
+        self.logprobs: list[list[Any]] = []
+        self.top: list[list[list[Any]]] = []
+        self.started = time.perf_counter()
+
+    def add(self, chunk: TokenChunk) -> None:
+        self.chunks.append(chunk)
+        self.output_ids.extend(chunk.token_ids)
+        if self.return_logprob:
+            self.logprobs.extend([lp, tid, None] for lp, tid in zip(chunk.logprobs, chunk.token_ids, strict=True))
+            if self.top_logprobs:
+                self.top.extend([[lp, tid, None] for tid, lp in alts] for alts in chunk.top_logprobs)
+
+    def to_json(self) -> dict[str, Any]:
+        last = self.chunks[-1]
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": finish_to_json(last.finish, len(self.output_ids)),
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": last.cached_tokens,
+            "weight_version": last.weight_version,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = self.logprobs
+            if self.top_logprobs:
+                meta["output_top_logprobs"] = self.top
+        if last.finish is not None:
+            meta["weight_versions"] = spans_to_json(self.chunks)
+            meta["e2e_latency"] = time.perf_counter() - self.started
+        text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        return {"text": text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+def _parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParams, dict[str, Any]]:
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    input_ids = body.get("input_ids")
+    if input_ids is None and isinstance(body.get("text"), str):
+        input_ids = tokenizer.encode(body["text"], add_special_tokens=False)
+    if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+        raise ValueError("input_ids must be one list of token ids (batches are not supported)")
+    if body.get("logprob_start_len", -1) not in (-1, None):
+        raise ValueError("input (prompt) logprobs are not supported; use logprob_start_len=-1")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ValueError("sampling_params must be an object")
+    if int(params.get("n", 1)) != 1:
+        raise ValueError("sampling_params.n must be 1; send one request per sample")
+    top = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0
+    return input_ids, sampling_from_json(params, top), body
+
+
+def create_engine_app(engine: Engine, tokenizer: Any) -> FastAPI:
+    app = FastAPI(title="tandem engine", docs_url=None, redoc_url=None)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            input_ids, sampling, body = _parse_generate(orjson.loads(await request.body()), tokenizer)
+        except (ValueError, TypeError, orjson.JSONDecodeError) as exc:
+            return _error(str(exc))
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        result = _Result(rid, tokenizer, bool(body.get("return_logprob")), sampling.top_logprobs)
+        chunks = engine.generate(input_ids, sampling, session_key=body.get("session_id"), request_id=rid)
+        try:
+            first = await anext(chunks)
+        except EngineError as exc:
+            return _error(str(exc), exc.status)
+        result.add(first)
+        if not body.get("stream"):
+            async for chunk in chunks:
+                result.add(chunk)
+            return _json(result.to_json())
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b"data: " + orjson.dumps(result.to_json()) + b"\n\n"
+            async for chunk in chunks:
+                result.add(chunk)
+                yield b"data: " + orjson.dumps(result.to_json()) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/model_info")
+    async def model_info() -> Response:
+        info = engine.model_info()
+        return _json(
+            {
+                "model_path": info.model_path,
+                "tokenizer_path": info.model_path,
+                "served_model_name": info.served_model_name,
+                "weight_version": info.weight_version,
+                "is_generation": True,
+                "context_length": info.context_length,
+            }
+        )
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        if not await engine.health():
+            return Response(status_code=503)
+        chunks = engine.generate([0], SamplingParams(max_new_tokens=1, temperature=0))
+        try:
+            async for _ in chunks:
+                pass
+        except EngineError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = orjson.loads(await request.body() or b"{}")
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str):
+            return _json({"success": False, "message": "model_path is required"}, 400)
+        version = str(body.get("weight_version") or path)
+        try:
+            if body.get("abort_all_requests"):
+                await engine.pause("abort")
+                await engine.resume()
+            await engine.update_weights(path, version)
+        except (WeightLoadError, OSError, EngineError) as exc:
+            return _json({"success": False, "message": str(exc)}, 400)
+        return _json({"success": True, "message": f"Succeeded to update model weights to {version}."})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = orjson.loads(await request.body() or b"{}")
+        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return _error("mode must be one of abort, retract, in_place")
+        await engine.pause(mode)
+        return _json({"message": "Generation paused successfully."})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await engine.resume()
+        return _json({"message": "Generation continued successfully."})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await engine.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are running.\n", status_code=400)
+
+    return app
