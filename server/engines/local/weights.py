@@ -30,7 +30,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise WeightLoadError(f"{path}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(file))
+        try:
+            tensors.update(load_file(file))
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise WeightLoadError(f"{file}: unreadable checkpoint: {exc}") from exc
     return tensors
 
 
