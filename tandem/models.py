@@ -97,9 +97,7 @@ def build_cached(target: Path, build: Callable[[Path], None]) -> Path:
 def _convert_gguf(model: BuiltinModel, out_dir: Path) -> None:
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"builtin model {model.key!r} needs the package {model.package}: {model.install_hint}"
-        )
+        raise RuntimeError(f"builtin model {model.key!r} needs the package {model.package}: {model.install_hint}")
     # The package is located, never imported: its __init__ pulls in llama.cpp bindings.
     source_dir = Path(spec.submodule_search_locations[0])
     if not (source_dir / model.gguf_file).is_file():
