@@ -12,7 +12,7 @@ from tandem.settings import Settings
 __all__ = ["Engine", "open_engine"]
 
 
-async def open_engine(settings: Settings, model_path: Path | None = None) -> Engine:
+async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
     """A started engine: the in-process one on ``model_path``, or a client of ``settings.engine_urls[0]``."""
     if settings.engine == "http":
         if not settings.engine_urls:
@@ -29,4 +29,5 @@ async def open_engine(settings: Settings, model_path: Path | None = None) -> Eng
         max_batch_size=settings.max_batch_size,
         max_queued_requests=settings.max_queued_requests,
         prefix_cache_bytes=settings.prefix_cache_bytes,
+        weight_version=weight_version,
     )

@@ -7,14 +7,17 @@ real SGLang server: /generate, /model_info, /health, /health_generate, /update_w
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from transformers import AutoTokenizer
 
 from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
 from server.engines.local.weights import WeightLoadError
@@ -89,8 +92,20 @@ def _parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParam
     return input_ids, sampling_from_json(params, top), body
 
 
-def create_engine_app(engine: Engine, tokenizer: Any) -> FastAPI:
-    app = FastAPI(title="tandem engine", docs_url=None, redoc_url=None)
+def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
+    """The app; ``open_engine`` runs at start-up, and the engine is closed at shutdown."""
+    engine: Engine
+    tokenizer: Any
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine, tokenizer
+        engine = await open_engine()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, engine.model_info().model_path)
+        yield
+        await engine.close()
+
+    app = FastAPI(title="tandem engine", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

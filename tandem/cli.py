@@ -1,0 +1,79 @@
+"""The `tandem` command: serve the gateway, run an engine process, manage the database and keys."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import uvicorn
+from fastapi import FastAPI
+
+from tandem.commands.db import db_app
+from tandem.commands.keys import keys_app
+from tandem.logging import configure_logging
+from tandem.settings import Settings
+
+app = typer.Typer(help="tandem: LLM serving that learns from its own traffic.", no_args_is_help=True)
+app.add_typer(db_app, name="db", help="Database schema migrations.")
+app.add_typer(keys_app, name="keys", help="Tenant API keys.")
+
+Host = Annotated[str | None, typer.Option(help="Address to bind [TANDEM_HOST].")]
+Port = Annotated[int | None, typer.Option(help="Port to bind [TANDEM_PORT].")]
+Model = Annotated[
+    str | None, typer.Option(help="A local HF model folder or a builtin name [TANDEM_MODEL].", show_default=False)
+]
+
+
+def _run(api: FastAPI, settings: Settings) -> None:
+    uvicorn.run(
+        api, host=settings.host, port=settings.port, log_config=None, access_log=False, timeout_graceful_shutdown=10
+    )
+
+
+@app.command()
+def serve(
+    host: Host = None,
+    port: Port = None,
+    model: Model = None,
+    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [TANDEM_DATABASE_URL].")] = None,
+    engine: Annotated[str | None, typer.Option(help="local (in-process) or http [TANDEM_ENGINE].")] = None,
+    engine_url: Annotated[
+        list[str] | None, typer.Option(help="URL of a `tandem engine` or SGLang server (implies --engine http).")
+    ] = None,
+) -> None:
+    """Serve the OpenAI-compatible API; upgrades the database schema first."""
+    from server.app import StartupError, create_app
+
+    settings = Settings().with_overrides(
+        host=host,
+        port=port,
+        model=model,
+        database_url=database_url,
+        engine=engine or ("http" if engine_url else None),
+        engine_urls=engine_url or None,
+    )
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        api = create_app(settings)
+    except StartupError as exc:
+        typer.secho(f"tandem serve: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from exc
+    _run(api, settings)
+
+
+@app.command("engine")
+def engine_command(
+    host: Host = None,
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 30000,
+    model: Model = None,
+    weight_version: Annotated[str, typer.Option(help="Initial weight version label.")] = "default",
+) -> None:
+    """Run the local engine as its own process, answering SGLang's native HTTP API."""
+    from server.engines import open_engine
+    from server.engines.sglang_server import create_engine_app
+    from tandem.models import resolve_model
+
+    settings = Settings().with_overrides(host=host, port=port, model=model, engine="local")
+    configure_logging(settings.log_level, settings.log_format)
+    model_path = resolve_model(settings.model, settings.model_cache_dir)
+    _run(create_engine_app(lambda: open_engine(settings, model_path, weight_version=weight_version)), settings)
