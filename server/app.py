@@ -1,0 +1,133 @@
+"""The gateway application: wiring of storage, the conversation log, the engine and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from server.auth import Authenticator
+from server.body_limit import BodyLimitMiddleware
+from server.chat_service import ChatService
+from server.completions import CompletionService
+from server.conversation_log import ConversationLog
+from server.engines import open_engine
+from server.engines.base import Engine
+from server.errors import install_error_handlers
+from server.routes import router
+from storage.api_keys import count_active_api_keys
+from storage.db import make_engine, make_session_factory
+from storage.migrate import upgrade
+from tandem.logging import RequestLogMiddleware
+from tandem.models import resolve_model
+from tandem.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServingUnprotectedError", "StartupError", "create_app"]
+
+
+class StartupError(RuntimeError):
+    """The server cannot start with these settings; the message says what to change."""
+
+
+class ServingUnprotectedError(StartupError):
+    """A non-loopback bind with no API key and no admin key: anyone could use the server."""
+
+
+def refuse_unprotected(settings: Settings) -> None:
+    """Raise ServingUnprotectedError when binding beyond loopback with no key that could protect it."""
+    if settings.binds_loopback or settings.admin_key is not None:
+        return
+    url = settings.resolved_database_url
+    upgrade(url)
+    db = make_engine(url)
+    try:
+        with make_session_factory(db)() as session:
+            keys = count_active_api_keys(session)
+    finally:
+        db.dispose()
+    if keys == 0:
+        raise ServingUnprotectedError(
+            f"Refusing to serve on {settings.host}: it is reachable from other machines and no API key is "
+            "configured. Create one with `tandem keys create`, set TANDEM_ADMIN_KEY, or bind 127.0.0.1."
+        )
+
+
+def _load_tokenizer(settings: Settings, engine: Engine) -> PreTrainedTokenizerBase:
+    path = Path(engine.model_info().model_path)
+    if not (path / "tokenizer_config.json").exists():  # a remote engine's path is not on this machine
+        path = resolve_model(settings.model, settings.model_cache_dir)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None, log: ConversationLog | None = None) -> FastAPI:
+    """The FastAPI app; the engine and the conversation log are opened at startup unless given.
+
+    Raises:
+        ServingUnprotectedError: ``settings.host`` is not loopback and no API key exists.
+    """
+    refuse_unprotected(settings)
+    model_path: Path | None = None
+    if engine is None and settings.engine == "local":
+        try:
+            model_path = resolve_model(settings.model, settings.model_cache_dir)
+        except (ValueError, RuntimeError) as exc:
+            raise StartupError(str(exc)) from exc
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.resolved_database_url
+        await asyncio.to_thread(upgrade, url)
+        db = make_engine(url)
+        sessions = make_session_factory(db)
+        async with AsyncExitStack() as stack:
+            stack.callback(db.dispose)
+            conversation_log = log
+            if conversation_log is None:
+                conversation_log = ConversationLog(
+                    db,
+                    settings.journal_dir,
+                    fsync=settings.journal_fsync,
+                    fsync_interval_s=settings.journal_fsync_interval_s,
+                    flush_interval_s=settings.log_flush_interval_s,
+                    batch_size=settings.log_batch_size,
+                )
+                await conversation_log.start()
+                stack.push_async_callback(conversation_log.close)
+            serving = engine
+            if serving is None:
+                serving = await open_engine(settings, model_path)
+                stack.push_async_callback(serving.close)
+            tokenizer = await asyncio.to_thread(_load_tokenizer, settings, serving)
+            chat = ChatService(serving, tokenizer, conversation_log)
+            stack.push_async_callback(chat.close)
+            app.state.chat = chat
+            app.state.completions = CompletionService(conversation_log, sessions)
+            app.state.auth = Authenticator(
+                sessions,
+                admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
+                loopback=settings.binds_loopback,
+            )
+            info = serving.model_info()
+            logger.info(
+                "serving",
+                extra={
+                    "model": info.served_model_name,
+                    "weight_version": info.weight_version,
+                    "replica": serving.replica,
+                },
+            )
+            yield
+
+    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestLogMiddleware)
+    return app

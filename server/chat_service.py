@@ -1,0 +1,357 @@
+"""Chat completions: prompt -> engine (n choices) -> OpenAI response or SSE stream -> conversation log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from server.auth import Identity
+from server.choice import ChoiceState, TokenText
+from server.conversation_log import ConversationLog
+from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
+from server.errors import ApiError
+from server.prompt import PromptRenderer
+from server.schemas import ChatCompletionRequest
+from server.sse import DONE, event
+from storage.records import CompletionRecord
+
+logger = logging.getLogger(__name__)
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+@dataclass(slots=True)
+class ChatCall:
+    """One accepted request, ready for the engine."""
+
+    id: str
+    request: ChatCompletionRequest
+    identity: Identity
+    session_key: str | None
+    conversation: list[dict[str, Any]]
+    prompt_ids: list[int]
+    sampling: list[SamplingParams]
+    started: float
+    created_at: float
+    log_fields: dict[str, Any]
+    states: list[ChoiceState] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+async def _close(stream: AsyncIterator[TokenChunk]) -> None:
+    if isinstance(stream, AsyncGenerator):
+        await stream.aclose()
+
+
+async def _merge(streams: list[AsyncIterator[TokenChunk]]) -> AsyncGenerator[tuple[int, TokenChunk], None]:
+    """Chunks of all choices as they come, tagged with the choice index."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await _close(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, TokenChunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TokenChunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            await _close(stream)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        log: ConversationLog,
+    ) -> None:
+        info = engine.model_info()
+        self.engine = engine
+        self.model_name = info.served_model_name
+        self.renderer = PromptRenderer(tokenizer, info.context_length)
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
+        self.log = log
+        self._background: set[asyncio.Task[None]] = set()
+        self._created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        info = self.engine.model_info()
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "tandem",
+            "max_model_len": info.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def accept(
+        self,
+        request: ChatCompletionRequest,
+        identity: Identity,
+        *,
+        session_header: str | None,
+        log_fields: dict[str, Any],
+    ) -> ChatCall:
+        """Validate against the model and render the prompt; raises ApiError for a bad request."""
+        started = time.perf_counter()
+        self.check_model(request.model)
+        conversation, prompt_ids = await self.renderer.render(request.messages)
+        max_new = self.renderer.max_new_tokens(len(prompt_ids), request.max_new_tokens)
+        temperature = 1.0 if request.temperature is None else request.temperature
+        top_p = 1.0 if request.top_p is None else request.top_p
+        if top_p == 0:  # only the most likely token survives: greedy
+            temperature, top_p = 0.0, 1.0
+        base = SamplingParams(
+            max_new_tokens=max_new,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=request.top_k if request.top_k else -1,
+            stop=request.stop_list,
+            seed=request.seed,
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
+        )
+        seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
+        metadata = request.metadata or {}
+        call = ChatCall(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            request=request,
+            identity=identity,
+            session_key=session_header or metadata.get("session_id") or request.user,
+            conversation=conversation,
+            prompt_ids=prompt_ids,
+            sampling=[SamplingParams(**{**asdict(base), "seed": seed}) for seed in seeds],
+            started=started,
+            created_at=time.time(),
+            log_fields=log_fields,
+        )
+        call.states = [ChoiceState(i, self.tokenizer, request.stop_list) for i in range(request.n)]
+        log_fields.update(completion_id=call.id, tenant_id=identity.tenant_id, prompt_tokens=len(prompt_ids))
+        return call
+
+    def _generate(self, call: ChatCall) -> AsyncGenerator[tuple[int, TokenChunk], None]:
+        streams = [
+            self.engine.generate(call.prompt_ids, sampling, session_key=call.session_key, request_id=f"{call.id}-{i}")
+            for i, sampling in enumerate(call.sampling)
+        ]
+        return _merge(streams)
+
+    def _add(self, call: ChatCall, index: int, chunk: TokenChunk) -> str:
+        if call.first_token_at is None and chunk.token_ids:
+            call.first_token_at = time.perf_counter()
+        return call.states[index].add(chunk)
+
+    # ---- non-streaming ----
+
+    async def complete(self, call: ChatCall) -> dict[str, Any]:
+        chunks = self._generate(call)
+        try:
+            async for index, chunk in chunks:
+                self._add(call, index, chunk)
+        finally:
+            await chunks.aclose()
+        aborted = next((s for s in call.states if s.aborted), None)
+        if aborted is not None:
+            raise ApiError(503, f"The engine aborted the request ({aborted.abort_message}); retry it.")
+        await self.log.record_completion(self._record(call, "ok"))
+        return {
+            **self._head(call, "chat.completion", call.states[0].weight_version),
+            "choices": [
+                {
+                    "index": s.index,
+                    "message": {"role": "assistant", "content": s.visible_text, "refusal": None},
+                    "logprobs": self._logprobs(call, s, 0, len(s.token_ids)),
+                    "finish_reason": s.finish_reason,
+                }
+                for s in call.states
+            ],
+            "usage": self._usage(call),
+        }
+
+    # ---- streaming ----
+
+    async def open_stream(self, call: ChatCall) -> AsyncIterator[bytes]:
+        """Start the engine and wait for every choice's first chunk, so that an overloaded or
+        unavailable engine still gets an HTTP status; then stream the rest as SSE."""
+        chunks = self._generate(call)
+        primed: list[tuple[int, TokenChunk]] = []
+        seen: set[int] = set()
+        try:
+            while len(seen) < len(call.states):
+                index, chunk = await anext(chunks)
+                primed.append((index, chunk))
+                seen.add(index)
+                if chunk.finish is not None and chunk.finish.type == "abort":
+                    raise ApiError(503, f"The engine aborted the request ({chunk.finish.message}); retry it.")
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return self._sse(call, primed, chunks)
+
+    async def _sse(
+        self,
+        call: ChatCall,
+        primed: list[tuple[int, TokenChunk]],
+        chunks: AsyncGenerator[tuple[int, TokenChunk], None],
+    ) -> AsyncIterator[bytes]:
+        head = self._head(call, "chat.completion.chunk", primed[0][1].weight_version)
+        for state in call.states:
+            yield event({**head, "choices": [_delta(state.index, {"role": "assistant", "content": ""})]})
+        status = "cancelled"
+        try:
+            for index, chunk in primed:
+                if (data := self._content_event(call, head, index, chunk)) is not None:
+                    yield data
+            async for index, chunk in chunks:
+                if (data := self._content_event(call, head, index, chunk)) is not None:
+                    yield data
+            aborted = next((s for s in call.states if s.aborted), None)
+            if aborted is not None:
+                raise EngineError(f"the engine aborted the request ({aborted.abort_message})", 503)
+            status = "ok"
+            await self.log.record_completion(self._record(call, status))
+        except EngineError as exc:
+            status = "error"
+            self._record_later(call, status)
+            yield event({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            yield DONE
+            return
+        finally:
+            await chunks.aclose()
+            if status == "cancelled":  # the client went away mid-stream
+                self._record_later(call, status)
+        for state in call.states:
+            yield event({**head, "choices": [_delta(state.index, {}, state.finish_reason)]})
+        if call.request.include_usage:
+            yield event({**head, "choices": [], "usage": self._usage(call)})
+        yield DONE
+
+    def _content_event(self, call: ChatCall, head: dict[str, Any], index: int, chunk: TokenChunk) -> bytes | None:
+        state = call.states[index]
+        start = len(state.token_ids)
+        text = self._add(call, index, chunk)
+        logprobs = self._logprobs(call, state, start, len(state.token_ids)) if chunk.token_ids else None
+        if not text and logprobs is None:
+            return None
+        return event({**head, "choices": [_delta(index, {"content": text}, None, logprobs)]})
+
+    # ---- response parts and the log record ----
+
+    def _head(self, call: ChatCall, kind: str, weight_version: str | None) -> dict[str, Any]:
+        return {
+            "id": call.id,
+            "object": kind,
+            "created": int(call.created_at),
+            "model": self.model_name,
+            "system_fingerprint": weight_version,
+        }
+
+    def _logprobs(self, call: ChatCall, state: ChoiceState, start: int, end: int) -> dict[str, Any] | None:
+        if not call.request.logprobs:
+            return None
+        return {"content": self.token_text.entries(state, start, end), "refusal": None}
+
+    def _usage(self, call: ChatCall) -> dict[str, Any]:
+        prompt = len(call.prompt_ids)
+        completion = sum(len(s.token_ids) for s in call.states)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": call.states[0].cached_tokens},
+        }
+        call.log_fields.update(completion_tokens=completion, cached_tokens=call.states[0].cached_tokens)
+        return usage
+
+    def _record(self, call: ChatCall, status: str) -> CompletionRecord:
+        now = time.perf_counter()
+        first = call.states[0]
+        request = call.request
+        return CompletionRecord(
+            id=call.id,
+            tenant_id=call.identity.tenant_id,
+            model=self.model_name,
+            request_messages=call.conversation,
+            sampling_params={**asdict(call.sampling[0]), "n": request.n, "seed": request.seed},
+            prompt_token_ids=call.prompt_ids,
+            choices=[s.record() for s in call.states],
+            weight_version=first.weight_version or self.engine.model_info().weight_version,
+            engine_replica=self.engine.replica,
+            prompt_tokens=len(call.prompt_ids),
+            cached_tokens=first.cached_tokens,
+            completion_tokens=sum(len(s.token_ids) for s in call.states),
+            latency_ms=(now - call.started) * 1000,
+            ttft_ms=None if call.first_token_at is None else (call.first_token_at - call.started) * 1000,
+            created_at=call.created_at,
+            finished_at=time.time(),
+            stream=request.stream,
+            status=status,  # type: ignore[arg-type]
+            api_key_id=call.identity.api_key_id,
+            end_user=request.user,
+            session_key=call.session_key,
+            metadata=dict(request.metadata or {}),
+        )
+
+    def _record_later(self, call: ChatCall, status: str) -> None:
+        # Called where the request task may be cancelled, so the write gets its own task.
+        task = asyncio.create_task(self._write(self._record(call, status)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _write(self, record: CompletionRecord) -> None:
+        try:
+            await self.log.record_completion(record)
+        except Exception:
+            logger.exception("could not log completion", extra={"completion_id": record.id})
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _delta(
+    index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,106 @@
+"""OpenAI's error shape on every /v1 answer, and the handlers that map exceptions to it."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engines.base import EngineError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def error_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+class ApiError(Exception):
+    """An error a client can act on; raised by services, turned into OpenAI's shape by the handler."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_payload(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body = orjson.dumps(error_payload(status, message, param=param, code=code))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _location(loc: tuple[int | str, ...]) -> str | None:
+    # Drop the "body" prefix and pydantic's union tags so the param reads like the request field.
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [p for p in parts if not p.startswith(("function-", "tagged-union["))]
+    return ".".join(parts) or None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request: it is not valid JSON.", None
+    param = _location(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid value"))
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"Invalid value for '{param}': {message}{more}" if param else f"{message}{more}"), param
+
+
+async def _api_error(_: Request, exc: ApiError) -> Response:
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    message, param = validation_message(exc)
+    return error_response(400, message, param=param, code="invalid_request")
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+async def _engine_error(_: Request, exc: EngineError) -> Response:
+    headers = {"Retry-After": "1"} if exc.retryable else None
+    return error_response(exc.status, str(exc), code="engine_error", headers=headers)
+
+
+async def _unexpected(_: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(500, "The server had an internal error; it has been logged.")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineError, _engine_error)
+    app.add_exception_handler(Exception, _unexpected)

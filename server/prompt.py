@@ -1,0 +1,86 @@
+"""Chat messages -> prompt token ids, rendered once through the model's chat template."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from server.errors import ApiError
+from server.schemas import AssistantMessage, Content, Message, ToolMessage
+
+# Longer conversations are tokenised in a thread so one big prompt does not stall the event loop.
+_INLINE_CHARS = 8_192
+
+
+def content_text(content: Content | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.text for part in content)
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": content_text(message.content)}
+    if isinstance(message, AssistantMessage) and message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if isinstance(message, ToolMessage):
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+class PromptRenderer:
+    """Renders a conversation with the tokenizer's chat template and checks it fits the context."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context_length: int) -> None:
+        if not tokenizer.chat_template:
+            raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template")
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+
+    def _render(self, conversation: list[dict[str, Any]]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                # Control tokens typed by a user stay plain text: only the template writes them.
+                sanitize_control_tokens=True,
+            )
+        except Exception as exc:  # the template's own checks (jinja raise_exception) end up here
+            raise ApiError(400, f"The chat template rejected these messages: {exc}", param="messages") from exc
+        return list(ids)
+
+    async def render(self, messages: list[Message]) -> tuple[list[dict[str, Any]], list[int]]:
+        """The messages as the template saw them, and the prompt token ids."""
+        conversation = [template_message(m) for m in messages]
+        size = sum(len(m["content"]) for m in conversation)
+        ids = (
+            self._render(conversation) if size <= _INLINE_CHARS else await asyncio.to_thread(self._render, conversation)
+        )
+        if len(ids) >= self.context_length:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens. However, your "
+                f"messages resulted in {len(ids)} tokens. Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return conversation, ids
+
+    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        """The completion budget: what was asked for, else whatever the context has left."""
+        room = self.context_length - prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens. However, you "
+                f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested

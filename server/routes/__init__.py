@@ -1,0 +1,13 @@
+"""HTTP routes: thin handlers over the services."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from server.routes import chat, completions, health, models
+
+__all__ = ["router"]
+
+router = APIRouter()
+for module in (chat, models, completions, health):
+    router.include_router(module.router)

@@ -1,0 +1,35 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+from fastapi.responses import Response, StreamingResponse
+
+from server.auth import CurrentIdentity
+from server.routes.deps import ChatDep, LogFields, json_response
+from server.schemas import ERRORS, ChatCompletion, ChatCompletionRequest
+
+router = APIRouter()
+
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletion, "description": "A completion, or an SSE stream"}, **ERRORS},
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    identity: CurrentIdentity,
+    service: ChatDep,
+    fields: LogFields,
+    x_session_id: Annotated[str | None, Header(max_length=256)] = None,
+) -> Response:
+    call = await service.accept(body, identity, session_header=x_session_id, log_fields=fields)
+    if body.stream:
+        stream = await service.open_stream(call)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=_STREAM_HEADERS)
+    return json_response(await service.complete(call))

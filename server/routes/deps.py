@@ -1,0 +1,36 @@
+"""Annotated dependencies for the services the routes call."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+from fastapi import Depends, Request
+from fastapi.responses import Response
+
+from server.chat_service import ChatService
+from server.completions import CompletionService
+
+
+def _chat(request: Request) -> ChatService:
+    return request.app.state.chat
+
+
+def _completions(request: Request) -> CompletionService:
+    return request.app.state.completions
+
+
+def log_fields(request: Request) -> dict[str, Any]:
+    """Fields the request log line picks up (see tandem.logging.RequestLogMiddleware)."""
+    fields: dict[str, Any] = {}
+    request.state.log_fields = fields
+    return fields
+
+
+ChatDep = Annotated[ChatService, Depends(_chat)]
+CompletionsDep = Annotated[CompletionService, Depends(_completions)]
+LogFields = Annotated[dict[str, Any], Depends(log_fields)]
+
+
+def json_response(body: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")

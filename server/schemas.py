@@ -1,0 +1,257 @@
+"""OpenAI-compatible request and response bodies.
+
+Requests are validated by pydantic; responses are built as plain dicts and serialised with orjson on
+the hot path, so the response models here only document the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, like OpenAI's API does for forward compatibility.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Request):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Request):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Request):
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Request):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="SGLang extension; 0 or -1 disables it")
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class FeedbackRequest(_Request):
+    completion_id: str = Field(min_length=1, max_length=128)
+    rating: Literal["up", "down"] | None = None
+    score: float | None = Field(None, ge=-1, le=1)
+    choice_index: int = Field(0, ge=0, lt=MAX_N)
+    comment: str | None = Field(None, max_length=16_384)
+    corrected_answer: str | None = Field(None, max_length=262_144)
+
+    @model_validator(mode="after")
+    def _one_of_rating_or_score(self) -> FeedbackRequest:
+        if (self.rating is None) == (self.score is None):
+            raise ValueError("give exactly one of 'rating' ('up' or 'down') or 'score' (in [-1, 1])")
+        return self
+
+    @property
+    def resolved_score(self) -> float:
+        if self.score is not None:
+            return self.score
+        return 1.0 if self.rating == "up" else -1.0
+
+
+# Response models: documentation of the OpenAPI schema only (see the module docstring).
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class AssistantReply(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantReply
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Feedback(BaseModel):
+    id: str
+    object: Literal["feedback"]
+    completion_id: str
+    choice_index: int
+    score: float
+    rating: Literal["up", "down"] | None
+    comment: str | None
+    corrected_answer: str | None
+    created_at: float
+    revision: int
+
+
+class CompletionView(BaseModel):
+    id: str
+    object: Literal["chat.completion.log"]
+    model_config = ConfigDict(extra="allow")
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in {
+        400: "Bad request body or parameter",
+        401: "Missing or invalid API key",
+        404: "Unknown model or completion",
+        413: "Request body too large",
+        429: "The engine queue is full",
+        503: "No engine is ready, or the database is down",
+    }.items()
+}
