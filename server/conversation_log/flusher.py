@@ -61,23 +61,23 @@ class Flusher(threading.Thread):
         self._retry_max_s = retry_max_s
         self._on_committed = on_committed
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.db_available = True
 
     def wake(self) -> None:
         self._wake.set()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._wake.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
                 progressed = self._step()
             except Exception:
                 logger.exception("conversation log flusher failed; retrying")
-                self._stop.wait(self._retry_max_s)
+                self._stopping.wait(self._retry_max_s)
                 continue
             if not progressed:
                 self._wake.wait(self._flush_interval_s)
@@ -112,7 +112,7 @@ class Flusher(threading.Thread):
                 if self.db_available:
                     logger.warning("database unavailable, records stay in the journal: %s", _first_line(exc))
                 self.db_available = False
-                if self._stop.is_set():
+                if self._stopping.is_set():
                     return False
                 self._wake.wait(delay)
                 self._wake.clear()

@@ -88,7 +88,7 @@ class Syncer(threading.Thread):
         self._writer = writer
         self._interval_s = interval_s
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -107,11 +107,11 @@ class Syncer(threading.Thread):
         await future
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._wake.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             self._wake.wait(self._interval_s)
             self._wake.clear()
             if self._writer.appended > self.synced or self._waiters:
