@@ -1,0 +1,41 @@
+"""Shared bits of the benchmark scripts: model selection, percentiles, progress and result lines."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+
+from tandem.models import resolve_model
+from tandem.settings import Settings
+
+console = Console(stderr=True)
+
+
+def model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="builtin name, HF folder, or 'tiny'")
+
+
+def model_path(spec: str) -> Path:
+    if spec == "tiny":
+        from tests.fixtures.tiny_model import tiny_model_path
+
+        return tiny_model_path()
+    return resolve_model(spec, Settings().model_cache_dir)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def progress() -> Progress:
+    return Progress(console=console, transient=True)
