@@ -6,15 +6,19 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
 import migrations
+from storage.db import make_engine
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    # Config values go through ConfigParser interpolation; a password may contain '%'.
-    config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    if database_url is not None:
+        # Config values go through ConfigParser interpolation; a password may contain '%'.
+        config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     return config
 
 
@@ -28,13 +32,13 @@ def downgrade(database_url: str, revision: str) -> None:
 
 def current_revision(database_url: str) -> str | None:
     """The revision the database is at; None for an empty (never migrated) database."""
-    from alembic.runtime.migration import MigrationContext
-
-    from storage.db import make_engine
-
     engine = make_engine(database_url)
     try:
         with engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()
     finally:
         engine.dispose()
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()

@@ -1,0 +1,57 @@
+"""`tandem db` and `tandem keys`, through typer's runner against real databases."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from storage.api_keys import lookup_api_key
+from storage.db import make_engine, make_session_factory
+from storage.migrate import current_revision, head_revision
+from tandem.commands.db import db_app
+from tandem.commands.keys import keys_app
+from tests.storage.factories import new_tenant
+
+runner = CliRunner()
+
+
+def test_upgrade_creates_the_data_dir_and_downgrade_empties(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'new' / 'dir' / 'tandem.db'}"
+    result = runner.invoke(db_app, ["upgrade", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    assert current_revision(url) == head_revision()
+    result = runner.invoke(db_app, ["downgrade", "--revision", "base", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    assert current_revision(url) is None
+
+
+def test_keys_need_the_schema(sqlite_url: str) -> None:
+    result = runner.invoke(keys_app, ["create", "--tenant", "acme", "--database-url", sqlite_url])
+    assert result.exit_code == 1
+    assert "tandem db upgrade" in result.output
+
+
+def test_create_list_revoke(database_url: str) -> None:
+    tenant = new_tenant()
+    created = runner.invoke(keys_app, ["create", "--tenant", tenant, "--name", "ci", "--database-url", database_url])
+    assert created.exit_code == 0, created.output
+    [plaintext] = re.findall(r"tdm-[A-Za-z0-9_-]{40,}", created.output)
+    key_id = re.search(r"key_[0-9a-f]{16}", created.output).group(0)  # type: ignore[union-attr]
+
+    listed = runner.invoke(keys_app, ["list", "--database-url", database_url])
+    assert listed.exit_code == 0 and key_id in listed.output and plaintext not in listed.output
+
+    engine = make_engine(database_url)
+    with make_session_factory(engine)() as session:
+        identity = lookup_api_key(session, plaintext)
+    assert identity is not None and identity.tenant_id == tenant
+
+    revoked = runner.invoke(keys_app, ["revoke", key_id, "--database-url", database_url])
+    assert revoked.exit_code == 0, revoked.output
+    with make_session_factory(engine)() as session:
+        assert lookup_api_key(session, plaintext) is None
+    engine.dispose()
+    missing = runner.invoke(keys_app, ["revoke", "key_nope", "--database-url", database_url])
+    assert missing.exit_code == 1 and "no API key" in missing.output
