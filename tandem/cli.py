@@ -53,6 +53,7 @@ def serve(
         engine_urls=engine_url or None,
     )
     configure_logging(settings.log_level, settings.log_format)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:
         api = create_app(settings)
     except StartupError as exc:
@@ -77,3 +78,7 @@ def engine_command(
     configure_logging(settings.log_level, settings.log_format)
     model_path = resolve_model(settings.model, settings.model_cache_dir)
     _run(create_engine_app(lambda: open_engine(settings, model_path, weight_version=weight_version)), settings)
+
+
+if __name__ == "__main__":
+    app()
