@@ -122,7 +122,8 @@ class ConversationLog:
     async def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything journaled so far is in the database; False on timeout."""
         target = self._journaled
-        if self._flusher is not None:
+        # While the database is away the backoff decides when to retry, not every caller of flush.
+        if self._flusher is not None and self._flusher.db_available:
             self._flusher.wake()
         deadline = time.monotonic() + timeout_s
         while self._committed < target:
