@@ -152,6 +152,7 @@ class ChatService:
             stop=request.stop_list,
             seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
+            ignore_eos=request.ignore_eos,
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         metadata = request.metadata or {}

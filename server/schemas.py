@@ -88,6 +88,7 @@ class ChatCompletionRequest(_Request):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="SGLang extension; 0 or -1 disables it")
+    ignore_eos: bool = Field(False, description="SGLang extension: keep generating past end-of-sequence")
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None

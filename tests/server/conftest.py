@@ -93,3 +93,11 @@ def gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture(scope="session")
 def client(gateway: Gateway) -> OpenAI:
     return gateway.client(gateway.keys["acme"])
+
+
+@pytest.fixture(scope="session")
+def keyless_gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """Loopback, no keys at all (the quick start), and room for a single request in the engine."""
+    settings = gateway_settings(tmp_path_factory.mktemp("keyless"), tiny_model, max_queued_requests=1)
+    with run_gateway(settings) as gw:
+        yield gw
