@@ -58,7 +58,7 @@ def write_records(
 
 def _insert_ignore(session: Session, model: type[Any], rows: list[dict[str, Any]]) -> None:
     if rows:
-        session.execute(dialect_insert(session, model.__table__).on_conflict_do_nothing(), rows)
+        session.execute(dialect_insert(session, model).on_conflict_do_nothing(), rows)
 
 
 def _existing(session: Session, column: Any, values: Iterable[Any]) -> set[Any]:
@@ -224,7 +224,7 @@ def _apply_feedback(session: Session, records: Sequence[FeedbackRecord]) -> tupl
             "last_event_id": latest.id,
             "updated_at": from_unix(latest.created_at),
         }
-        insert = dialect_insert(session, table).values(
+        insert = dialect_insert(session, Feedback).values(
             completion_id=latest.completion_id,
             choice_index=latest.choice_index,
             revision=len(group),

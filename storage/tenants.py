@@ -14,7 +14,7 @@ DEFAULT_TENANT_ID = "default"
 
 def ensure_tenant(session: Session, tenant_id: str, name: str | None = None) -> Tenant:
     """The tenant with this id, created (named ``name``, default the id) if it does not exist yet."""
-    insert = dialect_insert(session, Tenant.__table__)
+    insert = dialect_insert(session, Tenant)
     session.execute(insert.values(id=tenant_id, name=name or tenant_id, created_at=utcnow()).on_conflict_do_nothing())
     tenant = session.get(Tenant, tenant_id)
     if tenant is None:
