@@ -80,12 +80,14 @@ async def main() -> None:
             for _ in range(args.rounds):
                 ours.append(await engine_tokens_per_s(engine, prompts[:batch], args.tokens))
                 theirs.append(transformers_tokens_per_s(model, tokenizer, prompts[:batch], args.tokens))
-                bar.advance(task, 1 / 1)
+                bar.advance(task)
             rows.append((batch, median(ours), median(theirs)))
     await engine.close()
     console.print(f"model {path.name}, {args.tokens} new tokens, {args.threads} threads, median of {args.rounds}")
     for batch, ours, theirs in rows:
-        print(f"batch {batch}: engine {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s, ratio {ours / theirs:.2f}")
+        print(
+            f"batch {batch}: engine {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s, ratio {ours / theirs:.2f}"
+        )
 
 
 if __name__ == "__main__":
