@@ -168,7 +168,9 @@ class ChatService:
             created_at=time.time(),
             log_fields=log_fields,
         )
-        call.states = [ChoiceState(i, self.tokenizer, request.stop_list) for i in range(request.n)]
+        call.states = [
+            ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
+        ]
         log_fields.update(completion_id=call.id, tenant_id=identity.tenant_id, prompt_tokens=len(prompt_ids))
         return call
 

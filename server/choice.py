@@ -43,11 +43,16 @@ class ChoiceState:
 
     The visible text is cut before the first stop string (OpenAI semantics) and, while streaming,
     a tail that may turn into a stop string is held back; the logged ids stay as generated.
+    Without ``incremental`` (no stream to feed) the text is decoded once, at the finish.
     """
 
-    def __init__(self, index: int, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+    def __init__(
+        self, index: int, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...], *, incremental: bool
+    ) -> None:
         self.index = index
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer) if incremental else None
+        self._text = ""
         self._stops = stops
         self._sent = 0
         self._cut = False
@@ -76,7 +81,7 @@ class ChoiceState:
 
     @property
     def visible_text(self) -> str:
-        return self._detok.text[: self._sent]
+        return self._text[: self._sent]
 
     def add(self, chunk: TokenChunk) -> str:
         """Take one chunk; return the newly visible text."""
@@ -92,16 +97,22 @@ class ChoiceState:
                 last.end = len(self.token_ids)
             else:
                 self.spans.append(WeightSpan(chunk.weight_version, start, len(self.token_ids)))
-            self._detok.push(chunk.token_ids)
+            if self._detok is not None:
+                self._detok.push(chunk.token_ids)
         if chunk.finish is not None:
             self.finish = chunk.finish
-            self._detok.flush()
+            if self._detok is not None:
+                self._detok.flush()
+            else:
+                self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self._detok is not None:
+            self._text = self._detok.text
         return self._release(final=chunk.finish is not None)
 
     def _release(self, *, final: bool) -> str:
         if self._cut:
             return ""
-        text = self._detok.text
+        text = self._text
         end = len(text)
         if self._stops:
             # A stop string cannot start before what was sent: its prefix would have been held back.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.errors import ApiError
 from server.schemas import AssistantMessage, Content, Message, ToolMessage
@@ -37,9 +39,24 @@ class PromptRenderer:
             raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template")
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self._template = tokenizer.get_chat_template()
+        self._template_vars = dict(tokenizer.special_tokens_map)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._control = tuple(token.content for token in tokenizer.added_tokens_decoder.values())
 
     def _render(self, conversation: list[dict[str, Any]]) -> list[int]:
         try:
+            blob = orjson.dumps(conversation).decode()
+            if self._backend is not None and not any(token in blob for token in self._control):
+                # The common case, no control token typed by the user: render and encode directly,
+                # the same ids as apply_chat_template at a third of its cost.
+                (text,), _ = render_jinja_template(
+                    conversations=[conversation],
+                    chat_template=self._template,
+                    add_generation_prompt=True,
+                    **self._template_vars,
+                )
+                return self._backend.encode(text, add_special_tokens=False).ids
             ids = self.tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=True,

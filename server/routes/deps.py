@@ -1,4 +1,7 @@
-"""Annotated dependencies for the services the routes call."""
+"""Annotated dependencies for the services the routes call.
+
+All are ``async def``: FastAPI runs plain ``def`` dependencies in a thread pool, a hop per request.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +15,15 @@ from server.chat_service import ChatService
 from server.completions import CompletionService
 
 
-def _chat(request: Request) -> ChatService:
+async def _chat(request: Request) -> ChatService:
     return request.app.state.chat
 
 
-def _completions(request: Request) -> CompletionService:
+async def _completions(request: Request) -> CompletionService:
     return request.app.state.completions
 
 
-def log_fields(request: Request) -> dict[str, Any]:
+async def log_fields(request: Request) -> dict[str, Any]:
     """Fields the request log line picks up (see tandem.logging.RequestLogMiddleware)."""
     fields: dict[str, Any] = {}
     request.state.log_fields = fields
