@@ -240,13 +240,15 @@ class ChatService:
         chunks: AsyncGenerator[tuple[int, TokenChunk], None],
     ) -> AsyncIterator[bytes]:
         head = self._head(call, "chat.completion.chunk", primed[0][1].weight_version)
-        for state in call.states:
-            yield event({**head, "choices": [_delta(state.index, {"role": "assistant", "content": ""})]})
+        # Events that are ready together go out in one write: a socket write per event is most of
+        # the gateway's cost per streamed request.
+        opening = [
+            event({**head, "choices": [_delta(s.index, {"role": "assistant", "content": ""})]}) for s in call.states
+        ]
         status = "cancelled"
         try:
-            for index, chunk in primed:
-                if (data := self._content_event(call, head, index, chunk)) is not None:
-                    yield data
+            opening += [data for i, c in primed if (data := self._content_event(call, head, i, c)) is not None]
+            yield b"".join(opening)
             async for index, chunk in chunks:
                 if (data := self._content_event(call, head, index, chunk)) is not None:
                     yield data
@@ -258,18 +260,17 @@ class ChatService:
         except EngineError as exc:
             status = "error"
             self._record_later(call, status)
-            yield event({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
-            yield DONE
+            error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
+            yield event(error) + DONE
             return
         finally:
             await chunks.aclose()
             if status == "cancelled":  # the client went away mid-stream
                 self._record_later(call, status)
-        for state in call.states:
-            yield event({**head, "choices": [_delta(state.index, {}, state.finish_reason)]})
+        closing = [event({**head, "choices": [_delta(s.index, {}, s.finish_reason)]}) for s in call.states]
         if call.request.include_usage:
-            yield event({**head, "choices": [], "usage": self._usage(call)})
-        yield DONE
+            closing.append(event({**head, "choices": [], "usage": self._usage(call)}))
+        yield b"".join([*closing, DONE])
 
     def _content_event(self, call: ChatCall, head: dict[str, Any], index: int, chunk: TokenChunk) -> bytes | None:
         state = call.states[index]
