@@ -84,7 +84,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
         await asyncio.to_thread(upgrade, url)
-        db = make_engine(url)
+        db = make_engine(url, sqlite_sync_every_commit=settings.journal_fsync == "always")
         sessions = make_session_factory(db)
         async with AsyncExitStack() as stack:
             stack.callback(db.dispose)
