@@ -49,6 +49,11 @@ class CompletionService:
         except DBAPIError as exc:
             raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
 
+    async def _flush(self) -> None:
+        # While the database is known to be away, waiting for it would only delay the answer.
+        if self.log.db_available:
+            await self.log.flush(FLUSH_TIMEOUT_S)
+
     async def _stored(self, identity: Identity, completion_id: str) -> CompletionView | None:
         return await self._db(
             lambda s: get_completion_view(s, tenant_id=identity.tenant_id, completion_id=completion_id)
@@ -61,7 +66,7 @@ class CompletionService:
             return False
         if tenant != identity.tenant_id:
             raise _not_found(completion_id)
-        await self.log.flush(FLUSH_TIMEOUT_S)
+        await self._flush()
         return self.log.pending_completion_tenant(completion_id) is not None
 
     async def view(self, identity: Identity, completion_id: str) -> dict[str, Any]:
@@ -113,7 +118,7 @@ class CompletionService:
         body: dict[str, Any] = {"object": "feedback", **dataclasses.asdict(record), "revision": None, "history": []}
         del body["tenant_id"]
         # The record is safe in the journal already; the revision is known once it reaches the database.
-        await self.log.flush(FLUSH_TIMEOUT_S)
+        await self._flush()
         try:
             view = await self._stored(identity, record.completion_id)
         except ApiError:

@@ -1,0 +1,61 @@
+"""The database goes away under a live gateway (PostgreSQL behind a TCP proxy we can cut)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.fixtures.tcp_proxy import TcpProxy
+from tests.server.conftest import gateway_settings, run_gateway
+
+HELLO = [{"role": "user", "content": "hi"}]
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def proxy() -> Iterator[TcpProxy]:
+    proxy = TcpProxy("127.0.0.1", 5432)
+    proxy.start()
+    yield proxy
+    proxy.stop()
+
+
+def test_chat_and_feedback_survive_a_database_outage(
+    postgres_url: str, proxy: TcpProxy, tiny_model: Path, tmp_path: Path
+) -> None:
+    proxied = make_url(postgres_url).set(port=proxy.port).render_as_string(hide_password=False)
+    settings = gateway_settings(tmp_path, tiny_model, database_url=proxied)
+    with run_gateway(settings, tenants=("outage-a", "outage-b")) as gateway:
+        keys = gateway.keys
+        client = gateway.client(keys["outage-a"])
+        client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2)
+
+        proxy.stop()
+        # The key is cached and the completion is journaled: serving goes on.
+        reply = client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2)
+        feedback = client.post("/feedback", body={"completion_id": reply.id, "rating": "up"}, cast_to=object)
+        assert feedback["completion_id"] == reply.id  # type: ignore[index]
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.get(f"/completions/{reply.id}", cast_to=object)
+        assert caught.value.status_code == 503 and "database" in caught.value.message
+        # A key never seen before cannot be checked without the database.
+        with pytest.raises(openai.InternalServerError) as caught:
+            gateway.client(keys["outage-b"]).models.list()
+        assert caught.value.status_code == 503
+
+        proxy.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                logged = client.get(f"/completions/{reply.id}", cast_to=object)
+                break
+            except openai.InternalServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert logged["choices"][0]["feedback"]["rating"] == "up"  # type: ignore[index]
