@@ -39,7 +39,7 @@ from server.engines.base import (
 from server.engines.local.kv import BatchKV, RowKV
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.sampler import sample
-from server.engines.local.sequence import Sequence
+from server.engines.local.sequence import Sequence, deliver
 from server.engines.local.weights import check_compatible, copy_weights, load_model, read_state_dict
 
 log = logging.getLogger("tandem.engine")
@@ -302,22 +302,27 @@ class LocalEngine:
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         sampled = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        outputs = []
         for row, seq in enumerate(seqs):
             if seq.cancelled:
                 continue
             finish = seq.accept(sampled.token_ids[row], self._eos_ids, self._context_length)
             seq.finish = finish
-            seq.emit(
-                TokenChunk(
-                    token_ids=[sampled.token_ids[row]],
-                    logprobs=[sampled.logprobs[row]],
-                    weight_version=self.weight_version,
-                    prompt_tokens=len(seq.input_ids),
-                    cached_tokens=seq.cached_tokens,
-                    top_logprobs=[sampled.top_logprobs[row]] if seq.sampling.top_logprobs else [],
-                    finish=finish,
+            outputs.append(
+                (
+                    seq,
+                    TokenChunk(
+                        token_ids=[sampled.token_ids[row]],
+                        logprobs=[sampled.logprobs[row]],
+                        weight_version=self.weight_version,
+                        prompt_tokens=len(seq.input_ids),
+                        cached_tokens=seq.cached_tokens,
+                        top_logprobs=[sampled.top_logprobs[row]] if seq.sampling.top_logprobs else [],
+                        finish=finish,
+                    ),
                 )
             )
+        deliver(outputs)
 
     def _drop_finished(self) -> None:
         keep = []

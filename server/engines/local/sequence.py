@@ -72,4 +72,18 @@ class Sequence:
 
     def emit(self, chunk: TokenChunk) -> None:
         """Hand a chunk to the request's event loop (called from the engine thread)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+        deliver([(self, chunk)])
+
+
+def _put_all(outputs: list[tuple[Sequence, TokenChunk]]) -> None:
+    for seq, chunk in outputs:
+        seq.queue.put_nowait(chunk)
+
+
+def deliver(outputs: list[tuple[Sequence, TokenChunk]]) -> None:
+    """Hand the chunks of one step to their event loops, with one wake-up per loop, not per token."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, TokenChunk]]] = {}
+    for seq, chunk in outputs:
+        by_loop.setdefault(seq.loop, []).append((seq, chunk))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
