@@ -306,13 +306,14 @@ class ChatService:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": call.states[0].cached_tokens},
         }
-        call.log_fields.update(completion_tokens=completion, cached_tokens=call.states[0].cached_tokens)
         return usage
 
     def _record(self, call: ChatCall, status: str) -> CompletionRecord:
         now = time.perf_counter()
         first = call.states[0]
         request = call.request
+        completion_tokens = sum(len(s.token_ids) for s in call.states)
+        call.log_fields.update(completion_tokens=completion_tokens, cached_tokens=first.cached_tokens, outcome=status)
         return CompletionRecord(
             id=call.id,
             tenant_id=call.identity.tenant_id,
@@ -325,7 +326,7 @@ class ChatService:
             engine_replica=self.engine.replica,
             prompt_tokens=len(call.prompt_ids),
             cached_tokens=first.cached_tokens,
-            completion_tokens=sum(len(s.token_ids) for s in call.states),
+            completion_tokens=completion_tokens,
             latency_ms=(now - call.started) * 1000,
             ttft_ms=None if call.first_token_at is None else (call.first_token_at - call.started) * 1000,
             created_at=call.created_at,
