@@ -47,7 +47,7 @@ class Settings(BaseSettings):
 
     journal_fsync: Literal["interval", "always"] = "interval"
     journal_fsync_interval_s: float = Field(0.05, gt=0)
-    log_flush_interval_s: float = Field(0.05, gt=0)
+    log_flush_interval_s: float = Field(0.25, gt=0, description="journal -> database batching; lookups flush first")
     log_batch_size: int = Field(256, ge=1)
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

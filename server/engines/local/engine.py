@@ -255,12 +255,23 @@ class LocalEngine:
         for seq in admitted:
             if seq.cancelled:
                 self._release(seq)
-            else:
+                continue
+            try:
                 self._prefill(seq)
+            except Exception as exc:  # one bad request must not take the batch down
+                log.exception("prefill failed", extra={"request_id": seq.request_id})
+                self._abort([seq], f"engine error: {exc}")
         self._drop_finished()
-        if self._running:
+        if not self._running:
+            return
+        try:
             self._decode()
-            self._drop_finished()
+        except Exception as exc:
+            log.exception("decode step failed; aborting the running requests")
+            victims, self._running, self._batch = self._running, [], BatchKV()
+            self._abort(victims, f"engine error: {exc}")
+            return
+        self._drop_finished()
 
     def _prefill(self, seq: Sequence) -> None:
         tokens = seq.tokens
@@ -360,7 +371,10 @@ class LocalEngine:
             victims = self._running + list(self._waiting)
             self._waiting.clear()
         self._running, self._batch = [], BatchKV()
-        for seq in victims:
+        self._abort(victims, message)
+
+    def _abort(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
             if not seq.done:
                 seq.finish = Finish("abort", message=message)
                 seq.emit(

@@ -25,17 +25,23 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     ranks = torch.arange(logits.shape[-1]).expand_as(logits)
     drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
     probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays, also
+    # when a tiny top_p rounds to 0 in float32.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+# Below this a temperature is greedy (as in SGLang): dividing by it would overflow the logits.
+GREEDY_BELOW = 1e-5
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Sampled:
     """Pick one token per row of ``logits`` [batch, vocab]."""
     logits = logits.float()
     temperature = torch.tensor([p.temperature for p in params])
-    greedy = temperature == 0
+    greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     logprobs = scaled.log_softmax(dim=-1)
 

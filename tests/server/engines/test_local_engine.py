@@ -154,3 +154,17 @@ async def test_pause_modes(engine: LocalEngine, tiny_model: Path, prompt: list[i
     await engine.resume()
     retracted = await running
     assert retracted.token_ids == greedy_reference(tiny_model, prompt, 40)
+
+
+async def test_extreme_sampling_values_neither_fail_nor_disturb_the_batch(
+    engine: LocalEngine, tiny_model: Path, prompt: list[int]
+) -> None:
+    extremes = [
+        SamplingParams(max_new_tokens=8, temperature=5e-324, ignore_eos=True),  # greedy, not a division overflow
+        SamplingParams(max_new_tokens=8, temperature=2.0, top_p=1e-300, ignore_eos=True),  # keeps the top token
+        SamplingParams(max_new_tokens=8, temperature=2.0, top_k=10**6, ignore_eos=True),
+    ]
+    results = await asyncio.gather(*(collect(engine, prompt, s) for s in [*extremes, greedy(8)]))
+    assert all(r.finish is not None and r.finish.type == "length" for r in results)
+    expected = greedy_reference(tiny_model, prompt, 8)
+    assert results[0].token_ids == results[1].token_ids == results[3].token_ids == expected
