@@ -139,7 +139,7 @@ class LocalEngine:
         *,
         session_key: str | None = None,
         request_id: str | None = None,
-        stream: bool = True,
+        stream: bool = True,  # a transport hint for HTTP backends; in-process chunks cost nothing
     ) -> AsyncIterator[TokenChunk]:
         if not input_ids:
             raise EngineError("input_ids must not be empty", 400)
@@ -254,7 +254,7 @@ class LocalEngine:
                 admitted.append(self._waiting.popleft())
         for seq in admitted:
             if seq.cancelled:
-                self._release(seq)
+                self._release()
                 continue
             try:
                 self._prefill(seq)
@@ -294,7 +294,7 @@ class LocalEngine:
         row = RowKV.from_cache(cache)
         if seq.done:
             self._remember_prefix(seq, row)
-            self._release(seq)
+            self._release()
         else:
             self._batch.append_row(row)
             self._running.append(seq)
@@ -343,7 +343,7 @@ class LocalEngine:
                 continue
             if seq.finish is not None:
                 self._remember_prefix(seq, self._batch.row(index))
-            self._release(seq)
+            self._release()
         if len(keep) < len(self._running):
             self._batch.keep_rows(keep)
             self._running = [self._running[i] for i in keep]
@@ -352,7 +352,8 @@ class LocalEngine:
         if seq.session_key and self._prefix.capacity_bytes and seq.finish and seq.finish.type != "abort":
             self._prefix.put(seq.session_key, seq.tokens, row)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self) -> None:
+        """One request has left the engine for good."""
         with self._cond:
             self._in_flight -= 1
 
@@ -380,4 +381,4 @@ class LocalEngine:
                 seq.emit(
                     TokenChunk([], [], self.weight_version, len(seq.input_ids), seq.cached_tokens, finish=seq.finish)
                 )
-            self._release(seq)
+            self._release()
