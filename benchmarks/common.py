@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
+from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import Progress
 
@@ -17,6 +19,16 @@ console = Console(stderr=True)
 
 def model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="builtin name, HF folder, or 'tiny'")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Path, Any]:
+    """Apply --threads, resolve --model, and load its tokenizer."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    path = model_path(args.model)
+    return path, AutoTokenizer.from_pretrained(path)
 
 
 def model_path(spec: str) -> Path:

@@ -13,9 +13,9 @@ import asyncio
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from benchmarks.common import console, median, model_arg, model_path, progress
+from benchmarks.common import console, load_model_and_tokenizer, median, model_arg, progress
 from server.engines.base import SamplingParams
 from server.engines.local.engine import LocalEngine
 
@@ -58,11 +58,8 @@ async def main() -> None:
     model_arg(parser)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path, tokenizer = load_model_and_tokenizer(args)
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
         for q in QUESTIONS

@@ -13,10 +13,7 @@ import argparse
 import asyncio
 import time
 
-import torch
-from transformers import AutoTokenizer
-
-from benchmarks.common import console, median, model_arg, model_path, progress
+from benchmarks.common import console, load_model_and_tokenizer, median, model_arg, progress
 from server.engines.base import SamplingParams
 from server.engines.local.engine import LocalEngine
 
@@ -52,11 +49,8 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arg(parser)
     parser.add_argument("--sessions", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path, tokenizer = load_model_and_tokenizer(args)
     cached_engine = await LocalEngine.open(path, torch_threads=args.threads)
     uncached_engine = await LocalEngine.open(path, torch_threads=args.threads, prefix_cache_bytes=0)
     with_cache, without_cache, cached_tokens, prompt_tokens = [], [], [], []
