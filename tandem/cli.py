@@ -36,9 +36,9 @@ def serve(
     port: Port = None,
     model: Model = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [TANDEM_DATABASE_URL].")] = None,
-    engine: Annotated[str | None, typer.Option(help="local (in-process) or http [TANDEM_ENGINE].")] = None,
+    engine: Annotated[str | None, typer.Option(help="local (in-process) or sglang (SGLang servers or `tandem engine` processes) [TANDEM_ENGINE].")] = None,
     engine_url: Annotated[
-        list[str] | None, typer.Option(help="URL of a `tandem engine` or SGLang server (implies --engine http).")
+        list[str] | None, typer.Option(help="URL of a `tandem engine` or SGLang server (implies --engine sglang).")
     ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API; upgrades the database schema first."""
@@ -49,7 +49,7 @@ def serve(
         port=port,
         model=model,
         database_url=database_url,
-        engine=engine or ("http" if engine_url else None),
+        engine=engine or ("sglang" if engine_url else None),
         engine_urls=engine_url or None,
     )
     configure_logging(settings.log_level, settings.log_format)

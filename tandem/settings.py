@@ -33,7 +33,7 @@ class Settings(BaseSettings):
 
     model: str = DEFAULT_MODEL
     served_model_name: str = ""
-    engine: Literal["local", "http"] = "local"
+    engine: Literal["local", "sglang"] = "local"
     engine_urls: list[str] = Field(default_factory=list)
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -14,9 +14,9 @@ __all__ = ["Engine", "open_engine"]
 
 async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
     """A started engine: the in-process one on ``model_path``, or a client of ``settings.engine_urls[0]``."""
-    if settings.engine == "http":
+    if settings.engine == "sglang":
         if not settings.engine_urls:
-            raise ValueError("engine=http needs at least one engine URL (TANDEM_ENGINE_URLS or --engine-url)")
+            raise ValueError("engine=sglang needs at least one engine URL (TANDEM_ENGINE_URLS or --engine-url)")
         return await SGLangClient.open(settings.engine_urls[0], timeout_s=settings.request_timeout_s)
     if model_path is None:
         raise ValueError("the local engine needs a model folder")

@@ -150,7 +150,7 @@ def test_unreachable_engine_is_503(tiny_model: Path, tmp_path: Path) -> None:
     engine_url = engine_server.__enter__()
     running = True
     try:
-        settings = gateway_settings(tmp_path, tiny_model, engine="http", engine_urls=[engine_url])
+        settings = gateway_settings(tmp_path, tiny_model, engine="sglang", engine_urls=[engine_url])
         with run_gateway(settings) as gateway:
             client = gateway.client()
             assert client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2).choices
