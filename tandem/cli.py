@@ -36,7 +36,12 @@ def serve(
     port: Port = None,
     model: Model = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [TANDEM_DATABASE_URL].")] = None,
-    engine: Annotated[str | None, typer.Option(help="local (in-process) or sglang (SGLang servers or `tandem engine` processes) [TANDEM_ENGINE].")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="local (in-process) or sglang (SGLang servers or `tandem engine` processes) [TANDEM_ENGINE]."
+        ),
+    ] = None,
     engine_url: Annotated[
         list[str] | None, typer.Option(help="URL of a `tandem engine` or SGLang server (implies --engine sglang).")
     ] = None,
