@@ -176,7 +176,14 @@ class ChatService:
 
     def _generate(self, call: ChatCall) -> AsyncGenerator[tuple[int, TokenChunk], None]:
         streams = [
-            self.engine.generate(call.prompt_ids, sampling, session_key=call.session_key, request_id=f"{call.id}-{i}")
+            self.engine.generate(
+                call.prompt_ids,
+                sampling,
+                session_key=call.session_key,
+                request_id=f"{call.id}-{i}",
+                # A buffered answer reaches nobody before it is complete, so a pool may retry it anywhere.
+                stream=call.request.stream,
+            )
             for i, sampling in enumerate(call.sampling)
         ]
         return _merge(streams)
@@ -323,7 +330,7 @@ class ChatService:
             prompt_token_ids=call.prompt_ids,
             choices=[s.record() for s in call.states],
             weight_version=first.weight_version or self.engine.model_info().weight_version,
-            engine_replica=self.engine.replica,
+            engine_replica=first.replica or self.engine.replica,
             prompt_tokens=len(call.prompt_ids),
             cached_tokens=first.cached_tokens,
             completion_tokens=completion_tokens,

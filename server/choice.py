@@ -61,6 +61,7 @@ class ChoiceState:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.spans: list[WeightSpan] = []
         self.cached_tokens = 0
+        self.replica: str | None = None
         self.finish: Finish | None = None
 
     @property
@@ -87,6 +88,7 @@ class ChoiceState:
         """Take one chunk; return the newly visible text."""
         if not self.token_ids and not self.spans:
             self.cached_tokens = chunk.cached_tokens
+            self.replica = chunk.replica
         start = len(self.token_ids)
         if chunk.token_ids:
             self.token_ids.extend(chunk.token_ids)

@@ -35,6 +35,14 @@ class Settings(BaseSettings):
     served_model_name: str = ""
     engine: Literal["local", "sglang"] = "local"
     engine_urls: list[str] = Field(default_factory=list)
+    engine_config: Path | None = Field(None, description="TOML file of managed engine server groups")
+    routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    routing_load_factor: float = Field(0.25, gt=0, description="a replica may hold (1 + this) x the average load")
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(0.0, ge=0, description="0 = the interval")
+    healthy_after: int = Field(2, ge=1, description="passed probes before an ejected replica takes traffic")
+    engine_stall_timeout_s: float = Field(60.0, gt=0, description="silence from a replica that counts as failure")
+    engine_start_timeout_s: float = Field(300.0, gt=0, description="how long serve waits for a first replica")
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")

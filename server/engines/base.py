@@ -71,6 +71,7 @@ class TokenChunk:
 
     ``top_logprobs`` has one list of (token id, logprob) per token when asked for, else is empty.
     ``finish`` is set on the last chunk of a request (which may carry no tokens).
+    ``replica`` names the server that produced it, when a pool chose one.
     """
 
     token_ids: list[int]
@@ -80,6 +81,7 @@ class TokenChunk:
     cached_tokens: int
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: Finish | None = None
+    replica: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

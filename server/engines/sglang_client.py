@@ -35,10 +35,23 @@ def _context_length_from_config(model_path: str) -> int:
 
 
 class SGLangClient:
-    def __init__(self, url: str, *, timeout_s: float = 600.0, replica: str | None = None) -> None:
+    """``timeout_s`` bounds a whole request; ``stall_timeout_s`` the silence between two reads, so a
+    replica that stops answering mid-stream is noticed long before the request would time out."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 600.0,
+        stall_timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        replica: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.replica = replica or self.url
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+        self._timeout = aiohttp.ClientTimeout(
+            total=timeout_s, sock_connect=connect_timeout_s, sock_read=stall_timeout_s
+        )
         self._session: aiohttp.ClientSession | None = None
         self._info: ModelInfo | None = None
 
@@ -84,7 +97,9 @@ class SGLangClient:
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self._http().post(self.url + path, json=body) as response:
+            # Loading weights can take minutes without a byte on the wire: no stall timeout here.
+            control = aiohttp.ClientTimeout(total=self._timeout.total, sock_connect=self._timeout.sock_connect)
+            async with self._http().post(self.url + path, json=body, timeout=control) as response:
                 raw = await response.read()
                 data = orjson.loads(raw) if raw and response.content_type == "application/json" else {}
                 if response.status != 200 or data.get("success") is False:
@@ -120,22 +135,24 @@ class SGLangClient:
                 if response.status != 200:
                     raw = await response.read()
                     raise _status_error(response.status, _message(_try_json(raw), raw))
-                seen = 0
                 if not stream:
-                    for chunk in _chunks_from_final(orjson.loads(await response.read())):
+                    for chunk in _chunks_from_final(_parse_event(await response.read(), self.url)):
                         yield chunk
                     return
-                async for line in response.content:
+                seen, finished = 0, False
+                async for line in response.content:  # read to the end ([DONE]) so the connection is reused
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
-                    event = orjson.loads(line[6:])
-                    if "error" in event:
-                        raise EngineError(_message(event, line), 502)
-                    chunk = _chunk_from_event(event, seen)
+                    chunk = _chunk_from_event(_parse_event(line[6:], self.url), seen)
                     seen += len(chunk.token_ids)
+                    finished = chunk.finish is not None
                     yield chunk
+                if not finished:
+                    raise EngineUnavailable(f"{self.url} ended the stream before the request finished")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise EngineUnavailable(f"{self.url} failed during generate: {exc}") from exc
+            raise EngineUnavailable(f"{self.url} failed during generate: {exc or type(exc).__name__}") from exc
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise EngineError(f"{self.url} sent a malformed reply: {exc}", 502, retryable=True) from exc
 
     async def health(self) -> bool:
         try:
@@ -188,6 +205,19 @@ def _status_error(status: int, message: str) -> EngineError:
     if status in (502, 503, 504):
         return EngineUnavailable(message)
     return EngineError(message, 400 if status == 400 else 502)
+
+
+def _parse_event(raw: bytes, url: str) -> dict[str, Any]:
+    """One ``/generate`` reply or stream event; a reply we cannot read is the replica's fault."""
+    try:
+        event = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(f"{url} sent a malformed reply: {raw[:120]!r}", 502, retryable=True) from exc
+    if not isinstance(event, dict) or not isinstance(event.get("output_ids"), list):
+        if isinstance(event, dict) and "error" in event:
+            raise EngineError(_message(event, raw), 502)
+        raise EngineError(f"{url} sent a reply without output_ids: {raw[:120]!r}", 502, retryable=True)
+    return event
 
 
 def _logprobs(meta: dict[str, Any], key: str, start: int) -> list[Any]:

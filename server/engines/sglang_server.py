@@ -115,7 +115,9 @@ def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
             return _error(str(exc))
         rid = str(body.get("rid") or uuid.uuid4().hex)
         result = _Result(rid, tokenizer, bool(body.get("return_logprob")), sampling.top_logprobs)
-        chunks = engine.generate(input_ids, sampling, session_key=body.get("session_id"), request_id=rid)
+        # SGLang's routing key (what our gateway sends per session) keys the session prefix cache.
+        session_key = body.get("routing_key") or request.headers.get("x-smg-routing-key") or body.get("session_id")
+        chunks = engine.generate(input_ids, sampling, session_key=session_key, request_id=rid)
         try:
             first = await anext(chunks)
         except EngineError as exc:

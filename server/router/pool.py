@@ -1,0 +1,312 @@
+"""EnginePool: several replicas behind the Engine interface.
+
+Routing (affinity.py) picks a replica per request; a request that fails before anything reached
+its consumer (connection refused, a stalled or malformed reply, a full queue, an abort before the
+first token) is retried on another replica, each replica at most once. A buffered request
+(``stream=False``) reaches its consumer only when complete, so it is retried whenever it fails.
+A health monitor probes every replica on an interval, ejects those that fail and readmits them after
+consecutive passes, once they serve the pool's current weights (a restarted server may come back
+with its launch weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from server.engines.base import EngineError, EngineUnavailable, ModelInfo, PauseMode, SamplingParams, TokenChunk
+from server.engines.sglang_client import SGLangClient
+from server.router.affinity import HashRing, pick_affine, pick_least_loaded, pick_round_robin
+from server.router.replica import Replica
+
+log = logging.getLogger(__name__)
+
+RoutingPolicy = Literal["affinity", "least_loaded", "round_robin"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    policy: RoutingPolicy = "affinity"
+    load_factor: float = 0.25  # eps of the bounded load: a replica may hold (1 + eps) x the average
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0  # at most the interval, so a dead replica leaves within two intervals
+    healthy_after: int = 2  # passed probes in a row before an ejected replica takes traffic again
+
+    def __post_init__(self) -> None:
+        if self.load_factor <= 0:
+            raise ValueError("load_factor must be > 0")
+        if not 0 < self.health_timeout_s <= self.health_interval_s:
+            raise ValueError("health_timeout_s must be in (0, health_interval_s]")
+        if self.healthy_after < 1:
+            raise ValueError("healthy_after must be at least 1")
+
+
+class EnginePool:
+    replica = "pool"
+
+    def __init__(self, clients: Sequence[SGLangClient], config: PoolConfig | None = None) -> None:
+        if not clients:
+            raise ValueError("an engine pool needs at least one replica")
+        self.config = config or PoolConfig()
+        self.replicas = {client.replica: Replica(client.replica, client) for client in clients}
+        self._order = list(self.replicas)
+        self._ring = HashRing(self._order)
+        self._turn = 0
+        # The weights every replica must serve: (model_path, weight_version), set by the first admitted one.
+        self.target: tuple[str, str] | None = None
+        self._weights_lock = asyncio.Lock()
+        self._monitor: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        urls: Sequence[str],
+        config: PoolConfig | None = None,
+        *,
+        start_timeout_s: float = 60.0,
+        request_timeout_s: float = 600.0,
+        stall_timeout_s: float = 60.0,
+    ) -> EnginePool:
+        clients = [SGLangClient(url, timeout_s=request_timeout_s, stall_timeout_s=stall_timeout_s) for url in urls]
+        pool = cls(clients, config)
+        try:
+            await pool.start(start_timeout_s)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def start(self, timeout_s: float) -> None:
+        """Admit every replica that answers; wait for at least one; then watch them all."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await asyncio.gather(*(self._try_admit(r) for r in self.replicas.values()))
+            if any(r.healthy for r in self.replicas.values()):
+                break
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"no engine answered within {timeout_s:.0f} s: {', '.join(self._order)}")
+            await asyncio.sleep(min(1.0, self.config.health_interval_s))
+        self._monitor = asyncio.create_task(self._watch(), name="engine-pool-health")
+
+    # ---- the Engine interface ----
+
+    def model_info(self) -> ModelInfo:
+        for replica in sorted(self.replicas.values(), key=lambda r: not r.healthy):
+            try:
+                return replica.client.model_info()
+            except EngineUnavailable:
+                continue
+        raise EngineUnavailable("no engine replica has answered /model_info")
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_key: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[TokenChunk]:
+        tried: set[str] = set()
+        while True:
+            replica = self._route(session_key, exclude=tried)
+            tried.add(replica.name)
+            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id)
+            delivered = False
+            try:
+                if stream:
+                    async for chunk in attempt:
+                        delivered = True
+                        yield chunk
+                else:
+                    chunks = [chunk async for chunk in attempt]
+                    delivered = True
+                    for chunk in chunks:
+                        yield chunk
+                return
+            except _RetryElsewhere as retry:
+                if delivered:  # only reachable for a broken stream after its first chunk
+                    raise EngineError(str(retry), 502) from retry
+                self._note_failure(replica, retry.cause, request_id, attempts=len(tried))
+            except EngineError as exc:
+                if delivered or not exc.retryable:
+                    raise
+                self._note_failure(replica, exc, request_id, attempts=len(tried))
+            finally:
+                await attempt.aclose()
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        session_key: str | None,
+        request_id: str | None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """One replica's chunks, stamped with its name; counts the request in its load meanwhile."""
+        replica.in_flight += 1
+        chunks = replica.client.generate(input_ids, sampling, session_key=session_key, request_id=request_id)
+        first = True
+        try:
+            async for chunk in chunks:
+                if first and not chunk.token_ids and chunk.finish is not None and chunk.finish.type == "abort":
+                    # Aborted before producing anything (a pause in abort mode): nothing is lost by moving.
+                    raise _RetryElsewhere(EngineUnavailable(f"{replica.name} aborted: {chunk.finish.message}"))
+                first = False
+                chunk.replica = replica.name
+                yield chunk
+        finally:
+            replica.in_flight -= 1
+            await chunks.aclose()
+
+    async def health(self) -> bool:
+        return any(r.healthy for r in self.replicas.values())
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause every replica; new requests wait inside the servers until resume."""
+        for replica in self.replicas.values():
+            replica.draining = True
+        await asyncio.gather(*(r.client.pause(mode) for r in self.replicas.values() if r.healthy))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(r.client.resume() for r in self.replicas.values() if r.healthy))
+        for replica in self.replicas.values():
+            replica.draining = False
+
+    async def update_weights(self, model_path: str, weight_version: str) -> None:
+        """Rolling update, one replica at a time: drain, pause (retract), load, continue.
+
+        Retract mode puts running requests back in the server's queue and re-prefills them under the
+        new weights, so no request fails. A replica that fails to load is ejected and gets the new
+        weights when it is readmitted; if none loads them, the pool keeps its old weights.
+        """
+        async with self._weights_lock:
+            updated = 0
+            errors: list[str] = []
+            for replica in [r for r in self.replicas.values() if r.healthy]:
+                try:
+                    await self._update_one(replica, model_path, weight_version)
+                    updated += 1
+                except EngineError as exc:
+                    errors.append(f"{replica.name}: {exc}")
+                    self._eject(replica, f"weight update failed: {exc}")
+            if not updated:
+                raise EngineError(f"no replica loaded {model_path}: {'; '.join(errors) or 'none is healthy'}", 400)
+            self.target = (model_path, weight_version)
+            log.info("pool weights updated", extra={"weight_version": weight_version, "replicas": updated})
+
+    async def _update_one(self, replica: Replica, model_path: str, weight_version: str) -> None:
+        replica.draining = True
+        try:
+            await replica.client.pause("retract")
+            try:
+                await replica.client.update_weights(model_path, weight_version)
+            finally:
+                await replica.client.resume()
+        finally:
+            replica.draining = False
+
+    async def flush_cache(self) -> bool:
+        results = await asyncio.gather(*(r.client.flush_cache() for r in self.replicas.values() if r.healthy))
+        return all(results)
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+            self._monitor = None
+        await asyncio.gather(*(r.client.close() for r in self.replicas.values()))
+
+    # ---- routing ----
+
+    def _route(self, session_key: str | None, *, exclude: set[str]) -> Replica:
+        candidates = [r for r in self.replicas.values() if r.name not in exclude]
+        # Draining replicas queue requests until they resume: a last resort, never a refusal.
+        usable = [r for r in candidates if r.eligible] or [r for r in candidates if r.healthy]
+        if not usable:
+            tried = f" after trying {', '.join(sorted(exclude))}" if exclude else ""
+            raise EngineUnavailable(f"no engine replica is available{tried}")
+        loads = {r.name: r.in_flight for r in usable}
+        policy = self.config.policy
+        if policy == "affinity" and session_key:
+            name = pick_affine(self._ring, session_key, loads, self.config.load_factor)
+        elif policy == "round_robin":
+            name = pick_round_robin(loads, self._order, self._turn)
+            self._turn += 1
+        else:
+            name = pick_least_loaded(loads, self._order)
+        if name is None:  # unreachable: usable is not empty
+            raise EngineUnavailable("no engine replica is available")
+        return self.replicas[name]
+
+    def _note_failure(self, replica: Replica, exc: EngineError, request_id: str | None, *, attempts: int) -> None:
+        log.warning(
+            "engine replica failed a request; retrying on another",
+            extra={"replica": replica.name, "error": str(exc), "request_id": request_id, "attempts": attempts},
+        )
+        # Unreachable or stalled: stop sending it traffic now rather than at the next probe.
+        if isinstance(exc, EngineUnavailable) and exc.status == 503 and replica.healthy and not replica.draining:
+            self._eject(replica, str(exc))
+
+    # ---- health ----
+
+    async def _watch(self) -> None:
+        interval = self.config.health_interval_s
+        next_round = time.monotonic() + interval
+        while True:
+            await asyncio.sleep(max(0.0, next_round - time.monotonic()))
+            next_round += interval
+            await asyncio.gather(*(self._probe(r) for r in self.replicas.values() if not r.draining))
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            ok = await asyncio.wait_for(replica.client.health(), self.config.health_timeout_s)
+        except TimeoutError:
+            ok = False
+        if replica.draining:  # paused while the probe ran: its answer says nothing
+            return
+        if not ok:
+            replica.passed_probes = 0
+            if replica.healthy:
+                self._eject(replica, "health probe failed")
+            return
+        if replica.healthy:
+            return
+        replica.passed_probes += 1
+        if replica.passed_probes >= self.config.healthy_after:
+            await self._try_admit(replica)
+
+    async def _try_admit(self, replica: Replica) -> None:
+        """Bring a replica into rotation, on the pool's weights; leave it out if that fails."""
+        async with self._weights_lock:
+            try:
+                info = await replica.client.refresh_model_info()
+                if self.target is None:
+                    self.target = (info.model_path, info.weight_version)
+                elif info.weight_version != self.target[1]:
+                    log.info(
+                        "loading the pool's weights into a returning replica",
+                        extra={"replica": replica.name, "had": info.weight_version, "weight_version": self.target[1]},
+                    )
+                    await self._update_one(replica, *self.target)
+            except EngineError as exc:
+                replica.passed_probes = 0
+                log.warning("engine replica not admitted", extra={"replica": replica.name, "error": str(exc)})
+                return
+        replica.healthy = True
+        log.info("engine replica in rotation", extra={"replica": replica.name, "weight_version": self.target[1]})
+
+    def _eject(self, replica: Replica, reason: str) -> None:
+        replica.healthy = False
+        replica.passed_probes = 0
+        log.warning("engine replica out of rotation", extra={"replica": replica.name, "reason": reason})
+
+
+class _RetryElsewhere(Exception):
+    def __init__(self, cause: EngineError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

@@ -1,0 +1,29 @@
+"""One member of an engine pool and what the pool knows about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.engines.sglang_client import SGLangClient
+
+
+@dataclass(slots=True)
+class Replica:
+    """A server speaking SGLang's native API (real SGLang or `tandem engine`).
+
+    ``healthy``: answering its health probes; an unhealthy replica gets no traffic until it passes
+    ``healthy_after`` probes in a row and serves the pool's weights again.
+    ``draining``: alive but being paused (weight update); new requests avoid it while any other
+    replica can take them, and its probes are skipped (SGLang's health generate waits behind a pause).
+    """
+
+    name: str
+    client: SGLangClient
+    healthy: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    passed_probes: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.draining
