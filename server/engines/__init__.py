@@ -6,7 +6,7 @@ from pathlib import Path
 
 from server.engines.base import Engine
 from server.engines.local.engine import LocalEngine
-from server.router import EnginePool, PoolConfig
+from server.router.pool import EnginePool, PoolConfig
 from tandem.settings import Settings
 
 __all__ = ["Engine", "open_engine"]

@@ -1,7 +1,7 @@
 """Launch plans for managed engine groups: the exact argv and environment of every server and router.
 
 Pure: nothing is started here. The supervisor calls ``plan`` and ``router_launch`` and spawns the
-results; the gateway routes over ``serving_urls``. Config models and validation are in launch_config.
+results; the gateway routes over ``serving_urls``. Config models are in launch_config, loading and rules in launch_validation.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.engines.launch_config import (
-    GroupConfig,
-    LaunchConfig,
-    LaunchConfigError,
-    RouterConfig,
-    cpu_server_args,
-    load_launch_config,
-    parse_launch_config,
-)
+from server.engines.launch_config import GroupConfig, LaunchConfig, LaunchConfigError, cpu_server_args
+from server.engines.launch_validation import load_launch_config, parse_launch_config
 
 __all__ = [
     "LaunchConfig",
@@ -183,11 +176,9 @@ def _without_flags(args: Sequence[str], flags: set[str]) -> list[str]:
         if skip_value and not arg.startswith("--"):
             skip_value = False
             continue
-        skip_value = arg in flags
-        if not skip_value and arg.split("=", 1)[0] not in flags:
-            out.append(arg)
+        skip_value = False
+        if arg.split("=", 1)[0] in flags:
+            skip_value = "=" not in arg
+            continue
+        out.append(arg)
     return out
-
-
-def _unused(router: RouterConfig) -> None:  # pragma: no cover
-    pass

@@ -213,10 +213,14 @@ def _parse_event(raw: bytes, url: str) -> dict[str, Any]:
         event = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise EngineError(f"{url} sent a malformed reply: {raw[:120]!r}", 502, retryable=True) from exc
-    if not isinstance(event, dict) or not isinstance(event.get("output_ids"), list):
+    if (
+        not isinstance(event, dict)
+        or not isinstance(event.get("output_ids"), list)
+        or not isinstance(event.get("meta_info", {}), dict)
+    ):
         if isinstance(event, dict) and "error" in event:
             raise EngineError(_message(event, raw), 502)
-        raise EngineError(f"{url} sent a reply without output_ids: {raw[:120]!r}", 502, retryable=True)
+        raise EngineError(f"{url} sent a reply without output_ids and meta_info: {raw[:120]!r}", 502, retryable=True)
     return event
 
 

@@ -1,5 +1,5 @@
-"""A pool of engine replicas that behaves like one engine: session affinity, health, failover."""
+"""A pool of engine replicas that behaves like one engine: session affinity, health, failover.
 
-from server.router.pool import EnginePool, PoolConfig, RoutingPolicy
-
-__all__ = ["EnginePool", "PoolConfig", "RoutingPolicy"]
+Import from the modules (``server.router.pool``): ``server.engines`` builds pools, and the pool uses
+``server.engines``' pieces, so this package re-exports nothing to keep imports acyclic.
+"""

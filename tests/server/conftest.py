@@ -21,7 +21,7 @@ from storage.api_keys import create_api_key
 from storage.db import make_engine, make_session_factory
 from storage.migrate import upgrade
 from tandem.settings import Settings
-from tests.fixtures.tiny_model import tiny_model_path
+from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN_KEY = "admin-test-key"
@@ -80,6 +80,12 @@ def run_gateway(settings: Settings, *, tenants: tuple[str, ...] = ()) -> Iterato
 def tiny_model() -> Path:
     torch.set_num_threads(1)
     return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def perturbed_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with noise on every matrix: other weights, same shapes."""
+    return perturb_weights(tiny_model, tmp_path_factory.mktemp("perturbed") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,275 @@
+"""EnginePool over three real `tandem engine` servers, each behind a TCP proxy the tests can break."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from server.engines.base import EngineError, EngineUnavailable, SamplingParams, TokenChunk
+from server.engines.local.engine import LocalEngine
+from server.engines.sglang_server import create_engine_app
+from server.router.affinity import HashRing
+from server.router.pool import EnginePool, PoolConfig
+from tests.fixtures.tcp_proxy import TcpProxy
+from tests.server.engines.helpers import greedy, greedy_reference
+from tests.support.uvicorn_thread import serve_in_thread
+
+PROMPT = [1, 287, 201, 268, 318, 81, 638, 2, 201, 1, 295, 201]
+INTERVAL = 0.3
+CONFIG = PoolConfig(health_interval_s=INTERVAL, health_timeout_s=INTERVAL, healthy_after=2)
+
+
+@dataclass
+class Replicas:
+    urls: list[str]
+    proxies: dict[str, TcpProxy]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model: Path) -> Iterator[Replicas]:
+    with ExitStack() as stack:
+        proxies: dict[str, TcpProxy] = {}
+        for _ in range(3):
+            app = create_engine_app(lambda: LocalEngine.open(tiny_model, torch_threads=1, max_batch_size=8))
+            url = stack.enter_context(serve_in_thread(app))
+            proxy = TcpProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            proxy.start()
+            stack.callback(proxy.stop)
+            proxies[f"http://127.0.0.1:{proxy.port}"] = proxy
+        yield Replicas(list(proxies), proxies)
+
+
+@pytest.fixture
+async def pool(replicas: Replicas) -> AsyncIterator[EnginePool]:
+    for proxy in replicas.proxies.values():  # undo what the last test broke
+        proxy.fault = None
+        proxy.stop()
+        proxy.start()
+    pool = await EnginePool.open(replicas.urls, CONFIG, start_timeout_s=30, stall_timeout_s=1.0)
+    yield pool
+    await pool.close()
+
+
+async def run(pool: EnginePool, sampling: SamplingParams, **kwargs: object) -> list[TokenChunk]:
+    return [chunk async for chunk in pool.generate(PROMPT, sampling, **kwargs)]  # type: ignore[arg-type]
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def served_by(chunks: list[TokenChunk]) -> set[str | None]:
+    return {c.replica for c in chunks}
+
+
+def home_of(pool: EnginePool, session: str) -> str:
+    return next(HashRing(list(pool.replicas)).walk(session))
+
+
+async def wait_for(condition: object, timeout: float) -> float:
+    began = time.monotonic()
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() - began > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - began
+
+
+async def test_a_session_stays_on_its_replica(pool: EnginePool) -> None:
+    for session in ("alice", "bob", "carol", "dave"):
+        for _ in range(3):
+            chunks = await run(pool, greedy(3), session_key=session)
+            assert served_by(chunks) == {home_of(pool, session)}
+
+
+async def test_a_sessions_second_turn_reuses_its_prefix(pool: EnginePool) -> None:
+    first = await run(pool, greedy(4), session_key="prefix-user")
+    turn2 = PROMPT + tokens(first) + [2, 201, 1, 287, 201]
+    chunks = [c async for c in pool.generate(turn2, greedy(2), session_key="prefix-user")]
+    assert chunks[0].cached_tokens > len(PROMPT)
+
+
+async def test_requests_without_a_session_go_to_the_least_loaded_replica(pool: EnginePool) -> None:
+    first, second, _ = pool.replicas
+    long_running = pool.generate(PROMPT, greedy(400))
+    head = await anext(long_running)
+    assert head.replica == first
+    try:
+        assert served_by(await run(pool, greedy(2))) == {second}
+    finally:
+        await long_running.aclose()
+    assert served_by(await run(pool, greedy(2))) == {first}
+
+
+async def test_a_dead_replica_leaves_within_two_intervals_and_returns_on_the_pools_weights(
+    pool: EnginePool, replicas: Replicas, tiny_model: Path, perturbed_model: Path
+) -> None:
+    victim = replicas.urls[1]
+    replicas.proxies[victim].stop()
+    gone_after = await wait_for(lambda: not pool.replicas[victim].healthy, 4 * INTERVAL)
+    assert gone_after <= 2 * INTERVAL + 0.1
+    assert await pool.health()
+    assert victim not in {c.replica for _ in range(4) for c in await run(pool, greedy(1))}
+
+    await pool.update_weights(str(perturbed_model), "v2")  # reaches the two live replicas only
+    try:
+        replicas.proxies[victim].start()
+        back_after = await wait_for(lambda: pool.replicas[victim].healthy, 10 * INTERVAL)
+        assert back_after >= INTERVAL  # not on the first passed probe
+        assert pool.replicas[victim].client.model_info().weight_version == "v2"
+        session = next(f"s{i}" for i in range(100) if home_of(pool, f"s{i}") == victim)
+        chunks = await run(pool, greedy(8), session_key=session)
+        assert served_by(chunks) == {victim}
+        assert {c.weight_version for c in chunks} == {"v2"}
+        assert tokens(chunks) == greedy_reference(perturbed_model, PROMPT, 8)
+    finally:
+        await pool.update_weights(str(tiny_model), "default")
+
+
+async def test_connection_refused_is_retried_on_another_replica(pool: EnginePool, replicas: Replicas) -> None:
+    victim = replicas.urls[0]
+    session = next(f"r{i}" for i in range(100) if home_of(pool, f"r{i}") == victim)
+    replicas.proxies[victim].stop()  # before any probe notices
+    chunks = await run(pool, greedy(5), session_key=session)
+    assert tokens(chunks) and victim not in served_by(chunks)
+    assert not pool.replicas[victim].healthy  # ejected at once, not at the next probe
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stalled_replica_is_retried_before_anything_was_delivered(
+    pool: EnginePool, replicas: Replicas, stream: bool
+) -> None:
+    victim = replicas.urls[2]
+    session = next(f"t{i}" for i in range(100) if home_of(pool, f"t{i}") == victim)
+    replicas.proxies[victim].fault = "stall"
+    began = time.monotonic()
+    chunks = await run(pool, greedy(5), session_key=session, stream=stream)
+    assert len(tokens(chunks)) == 5 and victim not in served_by(chunks)
+    assert time.monotonic() - began < 5  # the 1 s stall timeout, then another replica
+
+
+async def test_a_garbled_reply_is_retried_on_another_replica(pool: EnginePool, replicas: Replicas) -> None:
+    victim = replicas.urls[1]
+    session = next(f"g{i}" for i in range(100) if home_of(pool, f"g{i}") == victim)
+    replicas.proxies[victim].fault = "garble"
+    chunks = await run(pool, greedy(5), session_key=session)
+    assert len(tokens(chunks)) == 5 and victim not in served_by(chunks)
+
+
+async def test_a_stream_broken_after_its_first_chunk_raises_and_is_not_retried(
+    pool: EnginePool, replicas: Replicas
+) -> None:
+    victim = replicas.urls[0]
+    session = next(f"b{i}" for i in range(100) if home_of(pool, f"b{i}") == victim)
+    stream = pool.generate(PROMPT, greedy(500), session_key=session)
+    first = await anext(stream)
+    assert first.replica == victim
+    replicas.proxies[victim].stop()
+    with pytest.raises(EngineError):
+        async with asyncio.timeout(10):
+            async for chunk in stream:
+                assert chunk.replica == victim
+
+
+async def test_a_buffered_request_survives_its_replica_dying_mid_generation(
+    pool: EnginePool, replicas: Replicas, tiny_model: Path
+) -> None:
+    victim = replicas.urls[2]
+    session = next(f"d{i}" for i in range(100) if home_of(pool, f"d{i}") == victim)
+    task = asyncio.create_task(run(pool, greedy(300), session_key=session, stream=False))
+    await wait_for(lambda: pool.replicas[victim].in_flight == 1, 5)
+    await asyncio.sleep(0.2)  # mid-generation
+    replicas.proxies[victim].stop()
+    chunks = await task
+    assert victim not in served_by(chunks)
+    assert tokens(chunks) == greedy_reference(tiny_model, PROMPT, 300)
+
+
+async def test_every_replica_failing_is_unavailable(pool: EnginePool, replicas: Replicas) -> None:
+    for proxy in replicas.proxies.values():
+        proxy.stop()
+    with pytest.raises(EngineUnavailable, match="no engine replica is available after trying"):
+        await run(pool, greedy(2))
+    assert not await pool.health()
+
+
+async def test_bad_requests_are_not_retried(pool: EnginePool) -> None:
+    with pytest.raises(EngineError) as error:
+        [c async for c in pool.generate([10**7], greedy(1))]
+    assert error.value.status == 400
+    assert all(r.healthy for r in pool.replicas.values())
+
+
+async def test_rolling_weight_update_under_load_fails_nothing(
+    pool: EnginePool, tiny_model: Path, perturbed_model: Path
+) -> None:
+    async def client(i: int) -> list[TokenChunk]:
+        return await run(pool, greedy(60), session_key=f"load-{i}")
+
+    streams = [asyncio.create_task(client(i)) for i in range(9)]
+    await asyncio.sleep(0.3)
+    await pool.update_weights(str(perturbed_model), "v2")
+    try:
+        results = await asyncio.gather(*streams)
+        assert all(len(tokens(chunks)) == 60 for chunks in results)
+        assert all(c.finish is None or c.finish.type == "length" for chunks in results for c in chunks)
+        assert {r.client.model_info().weight_version for r in pool.replicas.values()} == {"v2"}
+        assert pool.target == (str(perturbed_model), "v2")
+    finally:
+        await pool.update_weights(str(tiny_model), "default")
+
+
+async def test_a_replica_serving_other_weights_is_brought_to_the_pools_before_admission(
+    replicas: Replicas, tiny_model: Path, perturbed_model: Path
+) -> None:
+    odd_one = replicas.urls[2]
+    outsider = await EnginePool.open([odd_one], CONFIG)
+    await outsider.update_weights(str(perturbed_model), "stray")
+    await outsider.close()
+    pool = await EnginePool.open(replicas.urls, CONFIG)
+    try:
+        assert pool.target == (str(tiny_model), "default")
+        assert pool.replicas[odd_one].client.model_info().weight_version == "default"
+    finally:
+        await pool.close()
+
+
+def misbehaving_engine(reply: bytes) -> FastAPI:
+    """A server that looks healthy but answers /generate with ``reply``."""
+    app = FastAPI()
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, str]:
+        return {"model_path": "/nowhere", "weight_version": "default"}
+
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate() -> Response:
+        return Response(reply, media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"data: {not json\n\n", b'data: {"meta_info": {}}\n\n', b'data: {"output_ids": [1], "meta_info": 7}\n\n', b""],
+)
+async def test_malformed_engine_replies_are_retried_on_a_good_replica(replicas: Replicas, reply: bytes) -> None:
+    with serve_in_thread(misbehaving_engine(reply)) as bad:
+        pool = await EnginePool.open([bad, replicas.urls[0]], CONFIG)
+        try:
+            chunks = await run(pool, greedy(3))  # least-loaded tries the first (bad) replica first
+            assert served_by(chunks) == {replicas.urls[0]} and len(tokens(chunks)) == 3
+        finally:
+            await pool.close()
