@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -43,7 +44,16 @@ def serve(
         ),
     ] = None,
     engine_url: Annotated[
-        list[str] | None, typer.Option(help="URL of a `tandem engine` or SGLang server (implies --engine sglang).")
+        list[str] | None,
+        typer.Option(
+            help="URL of an SGLang server or `tandem engine` process; repeat for a pool (implies --engine sglang)."
+        ),
+    ] = None,
+    engine_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="TOML file of managed engine server groups to launch (implies --engine sglang) [TANDEM_ENGINE_CONFIG]."
+        ),
     ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API; upgrades the database schema first."""
@@ -54,8 +64,9 @@ def serve(
         port=port,
         model=model,
         database_url=database_url,
-        engine=engine or ("sglang" if engine_url else None),
+        engine=engine or ("sglang" if engine_url or engine_config else None),
         engine_urls=engine_url or None,
+        engine_config=engine_config,
     )
     configure_logging(settings.log_level, settings.log_format)
     settings.data_dir.mkdir(parents=True, exist_ok=True)

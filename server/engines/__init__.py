@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from server.engines.base import Engine
+from server.engines.launch_plan import load_launch_config, plan, router_launch, serving_urls
 from server.engines.local.engine import LocalEngine
+from server.engines.supervisor import Supervisor
 from server.router.pool import EnginePool, PoolConfig
 from tandem.settings import Settings
 
@@ -13,17 +15,10 @@ __all__ = ["Engine", "open_engine"]
 
 
 async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
-    """A started engine: the in-process one on ``model_path``, or a pool over ``settings.engine_urls``."""
+    """A started engine: the in-process one on ``model_path``, or a pool over SGLang-speaking servers
+    (``settings.engine_urls`` plus the managed ones ``settings.engine_config`` describes)."""
     if settings.engine == "sglang":
-        if not settings.engine_urls:
-            raise ValueError("engine=sglang needs at least one engine URL (TANDEM_ENGINE_URLS or --engine-url)")
-        return await EnginePool.open(
-            settings.engine_urls,
-            pool_config(settings),
-            start_timeout_s=settings.engine_start_timeout_s,
-            request_timeout_s=settings.request_timeout_s,
-            stall_timeout_s=settings.engine_stall_timeout_s,
-        )
+        return await _open_pool(settings)
     if model_path is None:
         raise ValueError("the local engine needs a model folder")
     return await LocalEngine.open(
@@ -47,3 +42,29 @@ def pool_config(settings: Settings) -> PoolConfig:
         health_timeout_s=settings.health_timeout_s or settings.health_interval_s,
         healthy_after=settings.healthy_after,
     )
+
+
+async def _open_pool(settings: Settings) -> EnginePool:
+    urls = list(settings.engine_urls)
+    supervisor = None
+    if settings.engine_config is not None:
+        config = load_launch_config(settings.engine_config)
+        router = router_launch(config)
+        supervisor = Supervisor([*plan(config), *([router] if router else [])], settings.data_dir / "engines")
+        await supervisor.start()
+        urls += serving_urls(config)
+    if not urls:
+        raise ValueError("engine=sglang needs an engine URL (--engine-url) or managed groups (--engine-config)")
+    try:
+        return await EnginePool.open(
+            urls,
+            pool_config(settings),
+            start_timeout_s=settings.engine_start_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            stall_timeout_s=settings.engine_stall_timeout_s,
+            supervisor=supervisor,
+        )
+    except BaseException:
+        if supervisor is not None:
+            await supervisor.close()
+        raise

@@ -20,6 +20,7 @@ from typing import Literal
 
 from server.engines.base import EngineError, EngineUnavailable, ModelInfo, PauseMode, SamplingParams, TokenChunk
 from server.engines.sglang_client import SGLangClient
+from server.engines.supervisor import Supervisor
 from server.router.affinity import HashRing, pick_affine, pick_least_loaded, pick_round_robin
 from server.router.replica import Replica
 
@@ -48,7 +49,10 @@ class PoolConfig:
 class EnginePool:
     replica = "pool"
 
-    def __init__(self, clients: Sequence[SGLangClient], config: PoolConfig | None = None) -> None:
+    def __init__(
+        self, clients: Sequence[SGLangClient], config: PoolConfig | None = None, *, supervisor: Supervisor | None = None
+    ) -> None:
+        """``supervisor``: the managed processes behind some of the replicas, stopped with the pool."""
         if not clients:
             raise ValueError("an engine pool needs at least one replica")
         self.config = config or PoolConfig()
@@ -60,6 +64,7 @@ class EnginePool:
         self.target: tuple[str, str] | None = None
         self._weights_lock = asyncio.Lock()
         self._monitor: asyncio.Task[None] | None = None
+        self.supervisor = supervisor
 
     @classmethod
     async def open(
@@ -70,9 +75,10 @@ class EnginePool:
         start_timeout_s: float = 60.0,
         request_timeout_s: float = 600.0,
         stall_timeout_s: float = 60.0,
+        supervisor: Supervisor | None = None,
     ) -> EnginePool:
         clients = [SGLangClient(url, timeout_s=request_timeout_s, stall_timeout_s=stall_timeout_s) for url in urls]
-        pool = cls(clients, config)
+        pool = cls(clients, config, supervisor=supervisor)
         try:
             await pool.start(start_timeout_s)
         except BaseException:
@@ -220,6 +226,8 @@ class EnginePool:
             await asyncio.gather(self._monitor, return_exceptions=True)
             self._monitor = None
         await asyncio.gather(*(r.client.close() for r in self.replicas.values()))
+        if self.supervisor is not None:
+            await self.supervisor.close()
 
     # ---- routing ----
 
