@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from server.engines.base import EngineError, EngineUnavailable, SamplingParams, TokenChunk
@@ -242,8 +242,8 @@ async def test_a_replica_serving_other_weights_is_brought_to_the_pools_before_ad
         await pool.close()
 
 
-def misbehaving_engine(reply: bytes) -> FastAPI:
-    """A server that looks healthy but answers /generate with ``reply``."""
+def misbehaving_engine(reply: bytes, seen: list[dict[str, object]] | None = None) -> FastAPI:
+    """A server that looks healthy but answers /generate with ``reply`` (and notes each request)."""
     app = FastAPI()
 
     @app.get("/model_info")
@@ -255,7 +255,9 @@ def misbehaving_engine(reply: bytes) -> FastAPI:
         return Response(status_code=200)
 
     @app.post("/generate")
-    async def generate() -> Response:
+    async def generate(request: Request) -> Response:
+        if seen is not None:
+            seen.append({"headers": dict(request.headers), "body": await request.json()})
         return Response(reply, media_type="text/event-stream")
 
     return app
@@ -273,3 +275,17 @@ async def test_malformed_engine_replies_are_retried_on_a_good_replica(replicas: 
             assert served_by(chunks) == {replicas.urls[0]} and len(tokens(chunks)) == 3
         finally:
             await pool.close()
+
+
+async def test_the_session_key_is_forwarded_for_an_external_router() -> None:
+    seen: list[dict[str, object]] = []
+    final = b'data: {"output_ids": [5], "meta_info": {"finish_reason": {"type": "length", "length": 1}}}\n\n'
+    with serve_in_thread(misbehaving_engine(final, seen)) as router_url:
+        pool = await EnginePool.open([router_url], CONFIG)
+        try:
+            assert tokens(await run(pool, greedy(1), session_key="user-42")) == [5]
+        finally:
+            await pool.close()
+    (request,) = seen
+    assert request["headers"]["x-smg-routing-key"] == "user-42"  # type: ignore[index]
+    assert request["body"]["routing_key"] == "user-42"  # type: ignore[index]
