@@ -18,7 +18,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from server.engines.base import EngineError, EngineUnavailable, ModelInfo, PauseMode, SamplingParams, TokenChunk
+from server.engines.base import (
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    ModelInfo,
+    PauseMode,
+    SamplingParams,
+    TokenChunk,
+)
 from server.engines.sglang_client import SGLangClient
 from server.engines.supervisor import Supervisor
 from server.router.affinity import HashRing, pick_affine, pick_least_loaded, pick_round_robin
@@ -118,8 +126,9 @@ class EnginePool:
         stream: bool = True,
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
+        failures: list[EngineError] = []
         while True:
-            replica = self._route(session_key, exclude=tried)
+            replica = self._route(session_key, exclude=tried, failures=failures)
             tried.add(replica.name)
             attempt = self._attempt(replica, input_ids, sampling, session_key, request_id)
             delivered = False
@@ -137,10 +146,12 @@ class EnginePool:
             except _RetryElsewhere as retry:
                 if delivered:  # only reachable for a broken stream after its first chunk
                     raise EngineError(str(retry), 502) from retry
+                failures.append(retry.cause)
                 self._note_failure(replica, retry.cause, request_id, attempts=len(tried))
             except EngineError as exc:
                 if delivered or not exc.retryable:
                     raise
+                failures.append(exc)
                 self._note_failure(replica, exc, request_id, attempts=len(tried))
             finally:
                 await attempt.aclose()
@@ -231,13 +242,16 @@ class EnginePool:
 
     # ---- routing ----
 
-    def _route(self, session_key: str | None, *, exclude: set[str]) -> Replica:
+    def _route(self, session_key: str | None, *, exclude: set[str], failures: Sequence[EngineError] = ()) -> Replica:
         candidates = [r for r in self.replicas.values() if r.name not in exclude]
         # Draining replicas queue requests until they resume: a last resort, never a refusal.
         usable = [r for r in candidates if r.eligible] or [r for r in candidates if r.healthy]
         if not usable:
+            if failures and all(isinstance(f, EngineOverloaded) for f in failures):
+                raise EngineOverloaded("every engine replica's queue is full; retry later")
             tried = f" after trying {', '.join(sorted(exclude))}" if exclude else ""
-            raise EngineUnavailable(f"no engine replica is available{tried}")
+            last = f" (last error: {failures[-1]})" if failures else ""
+            raise EngineUnavailable(f"no engine replica is available{tried}{last}")
         loads = {r.name: r.in_flight for r in usable}
         policy = self.config.policy
         if policy == "affinity" and session_key:

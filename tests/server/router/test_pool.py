@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from server.engines.base import EngineError, EngineUnavailable, SamplingParams, TokenChunk
+from server.engines.base import EngineError, EngineOverloaded, EngineUnavailable, SamplingParams, TokenChunk
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_server import create_engine_app
 from server.router.affinity import HashRing
@@ -289,3 +289,21 @@ async def test_the_session_key_is_forwarded_for_an_external_router() -> None:
     (request,) = seen
     assert request["headers"]["x-smg-routing-key"] == "user-42"  # type: ignore[index]
     assert request["body"]["routing_key"] == "user-42"  # type: ignore[index]
+
+
+async def test_full_queues_everywhere_are_429_not_503(tiny_model: Path) -> None:
+    def small_engine() -> FastAPI:
+        return create_engine_app(lambda: LocalEngine.open(tiny_model, torch_threads=1, max_queued_requests=1))
+
+    with serve_in_thread(small_engine()) as one, serve_in_thread(small_engine()) as two:
+        pool = await EnginePool.open([one, two], CONFIG)
+        busy = [pool.generate(PROMPT, greedy(1000)) for _ in range(2)]
+        try:
+            assert {(await anext(stream)).replica for stream in busy} == {one, two}
+            with pytest.raises(EngineOverloaded):
+                await run(pool, greedy(1))
+            assert all(r.healthy for r in pool.replicas.values())  # full is not sick
+        finally:
+            for stream in busy:
+                await stream.aclose()
+            await pool.close()
