@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,12 +40,16 @@ class ServerLaunch:
 
 
 def plan(config: LaunchConfig) -> list[ServerLaunch]:
-    """Every server of every group, in file order; GPUs are handed out in that same order."""
+    """Every server of every group, in file order; GPUs are handed out in that same order.
+
+    ``config`` must have passed validation (``load_launch_config``), which checks that the GPUs fit.
+    """
     launches = []
-    gpu_ids = iter(range(config.gpus or 0))
+    next_gpu = 0
     for group in config.groups:
         for index in range(group.replicas):
-            gpus = [next(gpu_ids) for _ in range(group.gpus_needed)] if group.device == "cuda" else []
+            gpus = range(next_gpu, next_gpu + group.gpus_needed) if group.device == "cuda" else range(0)
+            next_gpu += len(gpus)
             launches.append(_server_launch(group, index, gpus))
     return launches
 
@@ -55,13 +59,14 @@ def router_launch(config: LaunchConfig) -> ServerLaunch | None:
     router = config.router
     if router is None or not config.disaggregated:
         return None
-    servers = plan(config)
     argv = [_python(router.python), "-m", f"{router.package}.launch_router", "--pd-disaggregation"]
-    for server, group in zip(servers, _replica_groups(config), strict=True):
-        if server.role == "prefill":
-            argv += ["--prefill", server.url, str(group.replica_bootstrap_port(server.index))]
-        elif server.role == "decode":
-            argv += ["--decode", server.url]
+    for group in config.groups:
+        for index in range(group.replicas):
+            url = _url(group.host, group.port(index))
+            if group.role == "prefill":
+                argv += ["--prefill", url, str(group.replica_bootstrap_port(index))]
+            elif group.role == "decode":
+                argv += ["--decode", url]
     argv += ["--host", router.host, "--port", str(router.port), "--policy", router.policy]
     argv += ["--prometheus-port", str(router.prometheus_port), *router.extra_args]
     return ServerLaunch("router", 0, _url(router.host, router.port), tuple(argv), dict(router.env), "router")
@@ -71,11 +76,6 @@ def serving_urls(config: LaunchConfig) -> list[str]:
     """What the gateway routes over: the router alone when disaggregated, else every server."""
     router = router_launch(config)
     return [router.url] if router is not None else [server.url for server in plan(config)]
-
-
-def _replica_groups(config: LaunchConfig) -> Iterator[GroupConfig]:
-    for group in config.groups:
-        yield from [group] * group.replicas
 
 
 def _server_launch(group: GroupConfig, index: int, gpus: Sequence[int]) -> ServerLaunch:
@@ -112,7 +112,7 @@ def _tandem_argv(group: GroupConfig, port: int) -> list[str]:
 
 
 def _tandem_env(group: GroupConfig) -> dict[str, str]:
-    env = {"TANDEM_DEVICE": group.device}
+    env: dict[str, str] = {"TANDEM_DEVICE": group.device}
     if group.served_model_name is not None:
         env["TANDEM_SERVED_MODEL_NAME"] = group.served_model_name
     return env

@@ -61,7 +61,7 @@ def parse_launch_config(data: Mapping[str, Any], *, check_paths: bool = True) ->
 
 
 def check_config(config: LaunchConfig, *, check_paths: bool = True) -> list[str]:
-    """The rule errors of a schema-valid config (empty when it can be launched)."""
+    """The rule errors of a config whose fields are valid (empty when it can be launched)."""
     errors = [f"{_where(group)}: {message}" for group in config.groups for message in _group_errors(group, check_paths)]
     for rule in (_unique_names, _gpu_budget, _unique_ports, _disaggregation, _router_errors):
         errors += rule(config)
@@ -132,7 +132,7 @@ def _group_errors(group: GroupConfig, check_paths: bool) -> Iterator[str]:
 
 
 def _parallel_errors(group: GroupConfig) -> Iterator[str]:
-    if group.device != "cuda" or group.gpus_per_replica is None:
+    if group.device != "cuda" or group.engine != "sglang" or group.gpus_per_replica is None:
         return
     product = group.tp_size * (group.dp_size or 1)
     if product != group.gpus_per_replica:
@@ -200,7 +200,8 @@ def _tandem_errors(group: GroupConfig) -> Iterator[str]:
 def _extra_arg_errors(group: GroupConfig) -> Iterator[str]:
     owned = dict(TANDEM_FLAGS) if group.engine == "tandem" else dict(SGLANG_FLAGS)
     if group.engine == "sglang" and group.device == "cpu":
-        owned |= dict.fromkeys(_flags(cpu_server_args()), "device = cpu")
+        # A field of its own (max_total_tokens, ...) is the better hint than the CPU defaults.
+        owned = dict.fromkeys(_flags(cpu_server_args()), "device = cpu") | owned
     yield from (f"extra_args: {message}" for message in duplicate_flag_errors(group.extra_args, owned))
     if "CUDA_VISIBLE_DEVICES" in group.env:
         yield "env: CUDA_VISIBLE_DEVICES is assigned from gpus; do not set it"
@@ -288,7 +289,7 @@ def _disaggregation(config: LaunchConfig) -> list[str]:
             "role: regular groups cannot be mixed with prefill/decode groups (the gateway uses the router only)"
         )
     for field in ("model_path", "transfer_backend"):
-        values = {getattr(group, field) for group in split}
+        values = {getattr(group, field) for group in split} - {None}  # a missing backend is reported per group
         if len(values) > 1:
             found = ", ".join(f'"{group.name}" {getattr(group, field)}' for group in split)
             errors.append(f"{field}: prefill and decode groups must share one {field} ({found})")
