@@ -71,7 +71,8 @@ class SGLangClient:
     async def refresh_model_info(self) -> ModelInfo:
         data = await self._get_json("/model_info")
         path = str(data.get("model_path", ""))
-        context = int(data.get("context_length") or 0) or _context_length_from_config(path)
+        context = int(data.get("context_length") or 0) or await self._served_context_length()
+        context = context or _context_length_from_config(path)
         self._info = ModelInfo(
             model_path=path,
             served_model_name=str(data.get("served_model_name") or Path(path).name),
@@ -80,6 +81,14 @@ class SGLangClient:
             eos_token_ids=(),
         )
         return self._info
+
+    async def _served_context_length(self) -> int:
+        """SGLang's /model_info has no context length; its /v1/models cards do (max_model_len)."""
+        try:
+            cards = (await self._get_json("/v1/models")).get("data") or []
+            return int(cards[0].get("max_model_len") or 0) if cards else 0
+        except (EngineError, AttributeError, TypeError, ValueError):
+            return 0
 
     def model_info(self) -> ModelInfo:
         if self._info is None:

@@ -69,9 +69,11 @@ def create_keys(database_url: str, tenants: tuple[str, ...]) -> dict[str, str]:
 
 
 @contextmanager
-def run_gateway(settings: Settings, *, tenants: tuple[str, ...] = ()) -> Iterator[Gateway]:
+def run_gateway(
+    settings: Settings, *, tenants: tuple[str, ...] = (), startup_timeout_s: float = 120.0
+) -> Iterator[Gateway]:
     keys = create_keys(settings.resolved_database_url, tenants) if tenants else {}
-    with serve_in_thread(create_app(settings)) as url:
+    with serve_in_thread(create_app(settings), startup_timeout_s=startup_timeout_s) as url:
         model = OpenAI(base_url=f"{url}/v1", api_key=next(iter(keys.values()), ADMIN_KEY)).models.list().data[0].id
         yield Gateway(url=url, settings=settings, model=model, keys=keys)
 

@@ -8,22 +8,17 @@ or started, these tests fail under ``CI=true`` and are skipped elsewhere.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
 import torch
 
-from server.engines.sglang_cpu.environment import CPU_SERVER_ARGS, cpu_environment
+from server.engines.launch_plan import load_launch_config, serving_urls
 from tests.conftest import _in_ci
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import Gateway, gateway_settings, run_gateway
@@ -52,65 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     if subprocess.run(["bash", str(SETUP_SCRIPT), "--check"], check=False).returncode != 0:
         ours[0].add_marker(pytest.mark.timeout(INSTALL_TIMEOUT_S + START_TIMEOUT_S + 300))
-
-
-@dataclass
-class SGLangServer:
-    url: str
-    log: Path
-    popen: subprocess.Popen[bytes]
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        """SIGTERM to the whole process group (SGLang spawns a scheduler and a detokenizer), then SIGKILL."""
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.popen.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            if sig == signal.SIGTERM:  # the launcher is gone; make sure no child outlived it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-            return
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health_generate", timeout=30) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def start_sglang(venv: Path, model: Path, log: Path) -> SGLangServer:
-    port = free_port()
-    argv = [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path", str(model)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_SERVER_ARGS, *TEST_SERVER_ARGS]
-    with log.open("wb") as out:
-        popen = subprocess.Popen(
-            argv, env=cpu_environment(os.environ), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = SGLangServer(f"http://127.0.0.1:{port}", log, popen)
-    started = time.monotonic()
-    while time.monotonic() - started < START_TIMEOUT_S:
-        if popen.poll() is not None:
-            server.stop()
-            raise RuntimeError(f"SGLang exited with {popen.returncode} while starting:\n{server.log_tail()}")
-        if _healthy(server.url):
-            print(f"SGLang healthy after {time.monotonic() - started:.1f} s at {server.url}")
-            return server
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"SGLang did not pass /health_generate within {START_TIMEOUT_S} s:\n{server.log_tail()}")
 
 
 @pytest.fixture(scope="package")
@@ -148,36 +84,60 @@ def perturbed_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="package")
-def sglang_server(
-    sglang_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SGLangServer]:
-    log = tmp_path_factory.mktemp("sglang") / "server.log"
-    try:
-        server = start_sglang(sglang_venv, tiny_model, log)
-    except RuntimeError as exc:
-        _unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        server.stop()
+def engine_config(sglang_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One managed SGLang group on the CPU: what `tandem serve --engine-config` launches."""
+    path = tmp_path_factory.mktemp("sglang-config") / "engines.toml"
+    extra = ", ".join(f'"{arg}"' for arg in TEST_SERVER_ARGS)
+    path.write_text(
+        f"""
+[[groups]]
+name = "sglang-cpu"
+engine = "sglang"
+device = "cpu"
+model_path = "{tiny_model}"
+python = "{sglang_venv / "bin" / "python"}"
+base_port = {free_port()}
+extra_args = [{extra}]
+"""
+    )
+    return path
 
 
 @pytest.fixture(scope="package")
-def sglang_url(sglang_server: SGLangServer) -> str:
-    return sglang_server.url
+def sglang_url(engine_config: Path, sglang_gateway: Gateway) -> str:
+    """The managed server's own URL (it runs while the gateway does)."""
+    (url,) = serving_urls(load_launch_config(engine_config))
+    return url
 
 
 @pytest.fixture(scope="package")
-def sglang_gateway(sglang_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """A gateway whose engine is the SGLang server. Health probes are spaced out of these tests' way:
-    the pause test holds the server's /health_generate, and a replica readmitted after a failed probe
-    would get the gateway's weights pushed back over the ones a test loaded."""
+def sglang_gateway(
+    engine_config: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    """A gateway that launches and supervises the SGLang server (it stops with the gateway).
+
+    Health probes are spaced out of these tests' way: the pause test holds the server's
+    /health_generate, and a replica readmitted after a failed probe would get the gateway's
+    weights pushed back over the ones a test loaded."""
+    data_dir = tmp_path_factory.mktemp("sglang-gateway")
     settings = gateway_settings(
-        tmp_path_factory.mktemp("sglang-gateway"),
+        data_dir,
         tiny_model,
         engine="sglang",
-        engine_urls=[sglang_url],
+        engine_config=engine_config,
         health_interval_s=3600,
+        engine_start_timeout_s=START_TIMEOUT_S,
     )
-    with run_gateway(settings) as gateway:
-        yield gateway
+    started = time.monotonic()
+    try:
+        gateway = run_gateway(settings, startup_timeout_s=START_TIMEOUT_S + 60)
+        entered = gateway.__enter__()
+    except RuntimeError as exc:
+        log = data_dir / "engines" / "sglang-cpu-0.log"
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+        _unavailable(f"the gateway's managed SGLang server did not start: {exc}\n{tail}")
+    print(f"managed SGLang server healthy behind the gateway after {time.monotonic() - started:.1f} s")
+    try:
+        yield entered
+    finally:
+        gateway.__exit__(None, None, None)

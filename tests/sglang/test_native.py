@@ -76,3 +76,9 @@ async def test_local_engine_sglang_and_transformers_agree(sglang: SGLangClient, 
             assert from_sglang.versions == ["default"] * 16
     finally:
         await local.close()
+
+
+async def test_context_length_comes_from_the_server(sglang: SGLangClient) -> None:
+    # SGLang's /model_info lacks it; the gateway must not need the model folder on its own disk.
+    assert await sglang._served_context_length() == 2048
+    assert sglang.model_info().context_length == 2048
