@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-import torch
 
 from server.engines.launch_plan import load_launch_config, serving_urls
 from tests.conftest import _in_ci
-from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
-from tests.server.conftest import Gateway, gateway_settings, run_gateway
+from tests.server.conftest import Gateway, gateway_settings, perturbed_model, run_gateway, tiny_model
 from tests.support.uvicorn_thread import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,17 +68,6 @@ def sglang_venv() -> Path:
             f"SGLang could not be installed (setup_sglang.sh exited {done.returncode}):\n{done.stderr[-3000:]}"
         )
     return SGLANG_VENV
-
-
-@pytest.fixture(scope="package")
-def tiny_model() -> Path:
-    torch.set_num_threads(1)
-    return tiny_model_path()
-
-
-@pytest.fixture(scope="package")
-def perturbed_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return perturb_weights(tiny_model, tmp_path_factory.mktemp("perturbed") / "model")
 
 
 @pytest.fixture(scope="package")
@@ -141,3 +128,6 @@ def sglang_gateway(
         yield entered
     finally:
         gateway.__exit__(None, None, None)
+
+
+__all__ = ["perturbed_model", "tiny_model"]  # the shared fixtures, visible to this package's tests
