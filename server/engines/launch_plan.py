@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from server.engines.launch_config import GroupConfig, LaunchConfig, LaunchConfigError, cpu_server_args
@@ -24,6 +25,7 @@ __all__ = [
     "plan",
     "router_launch",
     "serving_urls",
+    "sglang_venv",
 ]
 
 
@@ -90,9 +92,21 @@ def _server_launch(group: GroupConfig, index: int, gpus: Sequence[int]) -> Serve
     return ServerLaunch(group.name, index, _url(group.host, port), tuple(argv), env, group.role)
 
 
+SGLANG_VERSION = "0.5.23"
+
+
+def sglang_venv() -> Path:
+    """Where scripts/setup_sglang.sh installs SGLang (``TANDEM_SGLANG_VENV`` moves it)."""
+    default = Path.home() / ".cache" / "tandem" / f"sglang-{SGLANG_VERSION}"
+    return Path(os.environ.get("TANDEM_SGLANG_VENV") or default)
+
+
 def _python(configured: str | None) -> str:
     # SGLang and the router live in their own venv (11 GB, their own torch), not tandem's.
-    return configured or os.environ.get("TANDEM_SGLANG_PYTHON") or sys.executable
+    if configured or os.environ.get("TANDEM_SGLANG_PYTHON"):
+        return configured or os.environ["TANDEM_SGLANG_PYTHON"]
+    installed = sglang_venv() / "bin" / "python"
+    return str(installed) if installed.exists() else sys.executable
 
 
 def _url(host: str, port: int) -> str:

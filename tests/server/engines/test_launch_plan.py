@@ -229,11 +229,15 @@ def test_url_of_wildcard_and_ipv6_hosts(host: str, url: str) -> None:
     assert plan(one(host=host))[0].url == url
 
 
-def test_python_explicit_env_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_explicit_env_installed_venv_and_fallback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert argv(one(python="/venvs/sgl/bin/python"))[0] == "/venvs/sgl/bin/python"
     assert argv(one())[0] == SGLANG_PY
     monkeypatch.delenv("TANDEM_SGLANG_PYTHON")
-    assert argv(one())[0] == sys.executable
+    monkeypatch.setenv("TANDEM_SGLANG_VENV", str(tmp_path / "sglang"))
+    assert argv(one())[0] == sys.executable  # nothing installed there
+    (tmp_path / "sglang" / "bin").mkdir(parents=True)
+    (tmp_path / "sglang" / "bin" / "python").touch()
+    assert argv(one())[0] == str(tmp_path / "sglang" / "bin" / "python")  # what scripts/setup_sglang.sh made
 
 
 def test_env_is_added_after_gpu_assignment() -> None:
