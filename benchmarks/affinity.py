@@ -31,8 +31,7 @@ import httpx
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from benchmarks.common import console, model_arg, model_path, percentile, progress
-from benchmarks.gateway_overhead import start
+from benchmarks.common import console, model_arg, model_path, percentile, progress, start
 from tests.support.uvicorn_thread import free_port
 
 REPLICAS = 3

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +56,23 @@ def median(values: list[float]) -> float:
 
 def progress() -> Progress:
     return Progress(console=console, transient=True)
+
+
+def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
+    """Start `tandem <args>` and wait until ``url`` answers; its output goes to a log in its data dir."""
+    log_dir = Path(env.get("TANDEM_DATA_DIR") or ".")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{args[0]}-{os.getpid()}-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:  # a file, not a pipe nobody drains: a chatty process would block on it
+        process = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 300  # a gateway that launches SGLang waits for it
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tandem {args[0]} exited:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return process
+        except OSError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"tandem {args[0]} did not answer {url} within 300 s; log: {log}")

@@ -1,7 +1,8 @@
-"""Gateway overhead: the gateway (conversation logging on) in front of a `tandem engine` process,
-against calling that engine process directly, in the same run.
+"""Gateway overhead: the gateway (conversation logging on) in front of a `tandem engine` process or a
+real SGLang server, against calling that engine directly, in the same run.
 
-    .venv/bin/python -m benchmarks.gateway_overhead [--model tiny] [--requests 300] [--concurrency 1 8 32]
+    .venv/bin/python -m benchmarks.gateway_overhead [--engine tandem|sglang] [--model tiny] [--requests 300]
+        [--concurrency 1 8 32]
 
 Both paths send the same prompt tokens and get the same short greedy reply (--max-tokens); the
 direct path posts SGLang's /generate, the gateway path posts /v1/chat/completions. For every
@@ -15,10 +16,8 @@ import argparse
 import asyncio
 import os
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,12 @@ import aiohttp
 import orjson
 from transformers import AutoTokenizer
 
-from benchmarks.common import console, model_arg, model_path, percentile, progress
+from benchmarks.common import console, model_arg, model_path, percentile, progress, start
+from server.engines.launch_plan import load_launch_config, serving_urls
 from tests.support.uvicorn_thread import free_port
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
+JSON = {"Content-Type": "application/json"}  # SGLang parses /generate bodies by content type
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -39,21 +40,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 180
+def start_engine(
+    kind: str, model: Path, env: dict[str, str], data_dir: Path
+) -> tuple[list[str], str, subprocess.Popen[bytes] | None]:
+    """The gateway's engine flags, the engine URL to call directly, and the engine process if we own it.
 
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited: {process.stderr.read().decode()[-2000:] if process.stderr else ''}")
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return process
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"{args[0]} did not start")
+    An SGLang server is launched by the gateway itself, as a managed CPU group (--engine-config).
+    """
+    port = free_port()
+    if kind == "tandem":
+        url = f"http://127.0.0.1:{port}"
+        engine = start(["engine", "--model", str(model), "--port", str(port)], env, url + "/model_info")
+        return ["--engine-url", url], url, engine
+    config = data_dir / "engines.toml"
+    config.write_text(
+        f'[[groups]]\nname = "sglang-cpu"\ndevice = "cpu"\nmodel_path = "{model}"\nbase_port = {port}\n'
+        'extra_args = ["--dtype", "float32"]\n'
+    )
+    (url,) = serving_urls(load_launch_config(config))
+    return ["--engine-config", str(config)], url, None
 
 
 @dataclass
@@ -95,20 +100,24 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--engine",
+        choices=["tandem", "sglang"],
+        default="tandem",
+        help="a `tandem engine` process, or a real SGLang server on the CPU (scripts/setup_sglang.sh installs it)",
+    )
     args = parser.parse_args()
     path = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
 
-    data_dir = tempfile.mkdtemp(prefix="tandem-bench-")
-    env = {**os.environ, "TANDEM_DATA_DIR": data_dir, "TANDEM_TORCH_THREADS": "1", "TANDEM_LOG_LEVEL": "WARNING"}
-    engine_port, gateway_port = free_port(), free_port()
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
-    engine = start(["engine", "--model", str(path), "--port", str(engine_port)], env, engine_url + "/model_info")
+    data_dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "TANDEM_TORCH_THREADS": "1", "TANDEM_LOG_LEVEL": "WARNING"}
+    gateway_port = free_port()
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    engine_flags, engine_url, engine = start_engine(args.engine, path, env, data_dir)
     gateway = start(
-        ["serve", "--engine-url", engine_url, "--model", str(path), "--port", str(gateway_port)],
-        env,
-        gateway_url + "/v1/models",
+        ["serve", *engine_flags, "--model", str(path), "--port", str(gateway_port)], env, gateway_url + "/v1/models"
     )
     model = path.name
     results: dict[tuple[int, bool, str], list[Run]] = {}
@@ -127,7 +136,7 @@ async def main() -> None:
                 )
 
                 async def send() -> None:
-                    async with http.post(engine_url + "/generate", data=body) as response:
+                    async with http.post(engine_url + "/generate", data=body, headers=JSON) as response:
                         await read_all(response)
 
                 return send
@@ -142,10 +151,9 @@ async def main() -> None:
                         "stream": stream,
                     }
                 )
-                headers = {"Content-Type": "application/json"}
 
                 async def send() -> None:
-                    async with http.post(gateway_url + "/v1/chat/completions", data=body, headers=headers) as r:
+                    async with http.post(gateway_url + "/v1/chat/completions", data=body, headers=JSON) as r:
                         await read_all(r)
 
                 return send
@@ -162,11 +170,14 @@ async def main() -> None:
                             results.setdefault((concurrency, stream, name), []).append(run)
                             bar.advance(task)
     finally:
-        for process in (gateway, engine):
-            process.terminate()
-            process.wait(timeout=30)
+        for process in (gateway, engine):  # the gateway stops the SGLang server it launched
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=60)
 
-    console.print(f"model {model}, {args.max_tokens} new tokens, {args.requests} requests x {args.rounds} rounds")
+    console.print(
+        f"{args.engine} engine, model {model}, {args.max_tokens} new tokens, {args.requests} requests x {args.rounds} rounds"
+    )
     print(
         "| clients | stream | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | direct req/s | gateway req/s | gateway CPU ms/req |"
     )

@@ -16,8 +16,8 @@ from server.body_limit import BodyLimitMiddleware
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.conversation_log import ConversationLog
-from server.engines import open_engine
 from server.engines.base import Engine
+from server.engines.factory import open_engine
 from server.errors import install_error_handlers
 from server.routes import router
 from storage.api_keys import count_active_api_keys

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     engine_config: Path | None = Field(None, description="TOML file of managed engine server groups")
     routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     routing_load_factor: float = Field(0.25, gt=0, description="a replica may hold (1 + this) x the average load")
+    routing_load_floor: int = Field(8, ge=0, description="...and always this many requests before sessions move")
     health_interval_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(0.0, ge=0, description="0 = the interval")
     healthy_after: int = Field(2, ge=1, description="passed probes before an ejected replica takes traffic")

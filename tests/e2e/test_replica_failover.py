@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from server.app import create_app
-from server.engines import open_engine
+from server.engines.factory import open_engine
 from server.router.affinity import HashRing
 from server.router.pool import EnginePool
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path

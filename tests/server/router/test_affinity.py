@@ -102,3 +102,14 @@ def test_round_robin_cycles_over_eligible_replicas() -> None:
 def test_duplicate_replica_names_are_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         HashRing([REPLICAS[0], REPLICAS[0]])
+
+
+def test_below_the_floor_a_session_never_moves_for_load() -> None:
+    ring = HashRing(REPLICAS)
+    key = SESSIONS[0]
+    home = next(ring.walk(key))
+    loads = {name: (4 if name == home else 1) for name in REPLICAS}  # 4 of 6: over 1.25 x average
+    assert pick_affine(ring, key, loads, 0.25) != home
+    assert pick_affine(ring, key, loads, 0.25, floor=8) == home
+    assert pick_affine(ring, key, {**loads, home: 8}, 0.25, floor=8) != home  # the floor is a bound too
+    assert load_bound(100, 4, 0.25, floor=8) == 32  # at high load the relative bound rules

@@ -1,4 +1,5 @@
-"""Engine backends behind one interface (see base.py): in-process local, or SGLang's HTTP API."""
+"""Open the engine the settings ask for: the in-process local engine, or a pool over SGLang-speaking
+servers (given by URL, or launched and supervised from a groups file)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from server.engines.supervisor import Supervisor
 from server.router.pool import EnginePool, PoolConfig
 from tandem.settings import Settings
 
-__all__ = ["Engine", "open_engine"]
+__all__ = ["open_engine", "pool_config"]
 
 
 async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
@@ -38,6 +39,7 @@ def pool_config(settings: Settings) -> PoolConfig:
     return PoolConfig(
         policy=settings.routing,
         load_factor=settings.routing_load_factor,
+        load_floor=settings.routing_load_floor,
         health_interval_s=settings.health_interval_s,
         health_timeout_s=settings.health_timeout_s or settings.health_interval_s,
         healthy_after=settings.healthy_after,
