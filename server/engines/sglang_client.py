@@ -52,6 +52,8 @@ class SGLangClient:
         self._timeout = aiohttp.ClientTimeout(
             total=timeout_s, sock_connect=connect_timeout_s, sock_read=stall_timeout_s
         )
+        # For calls that may legitimately stay silent for long: one-piece replies, weight loads.
+        self._silent_timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._info: ModelInfo | None = None
 
@@ -107,8 +109,7 @@ class SGLangClient:
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             # Loading weights can take minutes without a byte on the wire: no stall timeout here.
-            control = aiohttp.ClientTimeout(total=self._timeout.total, sock_connect=self._timeout.sock_connect)
-            async with self._http().post(self.url + path, json=body, timeout=control) as response:
+            async with self._http().post(self.url + path, json=body, timeout=self._silent_timeout) as response:
                 raw = await response.read()
                 data = orjson.loads(raw) if raw and response.content_type == "application/json" else {}
                 if response.status != 200 or data.get("success") is False:
@@ -139,8 +140,12 @@ class SGLangClient:
         if session_key:
             body["routing_key"] = session_key
         headers = {"X-SMG-Routing-Key": session_key} if session_key else None
+        # A one-piece reply is silent until complete: only the whole-request timeout applies to it.
+        timeout = self._timeout if stream else self._silent_timeout
         try:
-            async with self._http().post(self.url + "/generate", json=body, headers=headers) as response:
+            async with self._http().post(
+                self.url + "/generate", json=body, headers=headers, timeout=timeout
+            ) as response:
                 if response.status != 200:
                     raw = await response.read()
                     raise _status_error(response.status, _message(_try_json(raw), raw))

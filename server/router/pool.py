@@ -133,7 +133,7 @@ class EnginePool:
         while True:
             replica = self._route(session_key, exclude=tried, failures=failures)
             tried.add(replica.name)
-            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id)
+            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id, stream)
             delivered = False
             try:
                 if stream:
@@ -141,7 +141,7 @@ class EnginePool:
                         delivered = True
                         yield chunk
                 else:
-                    chunks = [chunk async for chunk in attempt]
+                    chunks = await self._collect(replica, attempt)
                     delivered = True
                     for chunk in chunks:
                         yield chunk
@@ -159,6 +159,25 @@ class EnginePool:
             finally:
                 await attempt.aclose()
 
+    async def _collect(self, replica: Replica, attempt: AsyncGenerator[TokenChunk, None]) -> list[TokenChunk]:
+        """A buffered request's whole answer, given up if its replica leaves the rotation meanwhile.
+
+        A one-piece reply sends no byte until it is complete, so no read timeout can tell a long
+        generation from a hung server; a failed health probe can, and the request moves on.
+        """
+        collecting = asyncio.ensure_future(_drain(attempt))
+        ejected = asyncio.ensure_future(replica.ejected.wait())
+        try:
+            await asyncio.wait({collecting, ejected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ejected.cancel()
+            if not collecting.done():
+                collecting.cancel()
+                await asyncio.gather(collecting, return_exceptions=True)
+        if collecting.cancelled():
+            raise _RetryElsewhere(EngineUnavailable(f"{replica.name} left the rotation during the request"))
+        return collecting.result()
+
     async def _attempt(
         self,
         replica: Replica,
@@ -166,10 +185,13 @@ class EnginePool:
         sampling: SamplingParams,
         session_key: str | None,
         request_id: str | None,
+        stream: bool = True,
     ) -> AsyncGenerator[TokenChunk, None]:
         """One replica's chunks, stamped with its name; counts the request in its load meanwhile."""
         replica.in_flight += 1
-        chunks = replica.client.generate(input_ids, sampling, session_key=session_key, request_id=request_id)
+        chunks = replica.client.generate(
+            input_ids, sampling, session_key=session_key, request_id=request_id, stream=stream
+        )
         first = True
         try:
             async for chunk in chunks:
@@ -323,12 +345,18 @@ class EnginePool:
                 log.warning("engine replica not admitted", extra={"replica": replica.name, "error": str(exc)})
                 return
         replica.healthy = True
+        replica.ejected.clear()
         log.info("engine replica in rotation", extra={"replica": replica.name, "weight_version": self.target[1]})
 
     def _eject(self, replica: Replica, reason: str) -> None:
         replica.healthy = False
         replica.passed_probes = 0
+        replica.ejected.set()
         log.warning("engine replica out of rotation", extra={"replica": replica.name, "reason": reason})
+
+
+async def _drain(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
+    return [chunk async for chunk in chunks]
 
 
 class _RetryElsewhere(Exception):

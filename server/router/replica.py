@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from server.engines.sglang_client import SGLangClient
 
@@ -23,6 +24,7 @@ class Replica:
     draining: bool = False
     in_flight: int = 0
     passed_probes: int = 0
+    ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of rotation
 
     @property
     def eligible(self) -> bool:
