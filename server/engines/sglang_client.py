@@ -7,7 +7,7 @@ Token in, token out over ``/generate`` with ``input_ids``; streamed events carry
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ class SGLangClient:
         session_key: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_to_json(sampling),
