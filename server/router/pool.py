@@ -223,23 +223,34 @@ class EnginePool:
         """Rolling update, one replica at a time: drain, pause (retract), load, continue.
 
         Retract mode puts running requests back in the server's queue and re-prefills them under the
-        new weights, so no request fails. A replica that fails to load is ejected and gets the new
-        weights when it is readmitted; if none loads them, the pool keeps its old weights.
+        new weights, so no request fails. A replica that cannot be reached is ejected and gets the
+        new weights when it is readmitted. A replica that refuses them (a bad checkpoint) keeps its
+        old ones, and the replicas already updated are rolled back: the pool never serves a mix.
         """
         async with self._weights_lock:
-            updated = 0
-            errors: list[str] = []
+            updated: list[Replica] = []
             for replica in [r for r in self.replicas.values() if r.healthy]:
                 try:
                     await self._update_one(replica, model_path, weight_version)
-                    updated += 1
+                    updated.append(replica)
+                except EngineUnavailable as exc:
+                    self._eject(replica, f"unreachable during a weight update: {exc}")
                 except EngineError as exc:
-                    errors.append(f"{replica.name}: {exc}")
-                    self._eject(replica, f"weight update failed: {exc}")
+                    await self._roll_back(updated)
+                    raise EngineError(f"{replica.name} refused {model_path}: {exc}", 400) from exc
             if not updated:
-                raise EngineError(f"no replica loaded {model_path}: {'; '.join(errors) or 'none is healthy'}", 400)
+                raise EngineUnavailable(f"no replica could be reached to load {model_path}")
             self.target = (model_path, weight_version)
-            log.info("pool weights updated", extra={"weight_version": weight_version, "replicas": updated})
+            log.info("pool weights updated", extra={"weight_version": weight_version, "replicas": len(updated)})
+
+    async def _roll_back(self, replicas: list[Replica]) -> None:
+        if self.target is None:
+            return
+        for replica in replicas:
+            try:
+                await self._update_one(replica, *self.target)
+            except EngineError as exc:  # it must not serve the refused version: out until readmitted
+                self._eject(replica, f"could not roll back to {self.target[1]}: {exc}")
 
     async def _update_one(self, replica: Replica, model_path: str, weight_version: str) -> None:
         replica.draining = True

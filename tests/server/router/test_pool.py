@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
@@ -10,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from server.engines.base import EngineError, EngineOverloaded, EngineUnavailable, SamplingParams, TokenChunk
 from server.engines.local.engine import LocalEngine
@@ -306,4 +309,48 @@ async def test_full_queues_everywhere_are_429_not_503(tiny_model: Path) -> None:
         finally:
             for stream in busy:
                 await stream.aclose()
+            await pool.close()
+
+
+async def test_a_refused_checkpoint_leaves_every_replica_on_the_old_weights(
+    pool: EnginePool, tiny_model: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_model / "config.json").read_text())
+    with pytest.raises(EngineError, match="refused"):
+        await pool.update_weights(str(broken), "v-broken")
+    assert pool.target == (str(tiny_model), "default")
+    assert all(r.healthy for r in pool.replicas.values())
+    assert {r.client.model_info().weight_version for r in pool.replicas.values()} == {"default"}
+    for session in ("x", "y", "z"):
+        assert {c.weight_version for c in await run(pool, greedy(2), session_key=session)} == {"default"}
+
+
+def narrower_model(tiny_model: Path, out: Path) -> Path:
+    """The tiny model's tokenizer with a narrower MLP: the same checkpoints do not fit it."""
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.intermediate_size //= 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, out / name)
+    return out
+
+
+async def test_a_checkpoint_refused_midway_rolls_the_updated_replicas_back(
+    replicas: Replicas, tiny_model: Path, perturbed_model: Path, tmp_path: Path
+) -> None:
+    narrow = narrower_model(tiny_model, tmp_path / "narrow")
+    app = create_engine_app(lambda: LocalEngine.open(narrow, torch_threads=1))
+    with serve_in_thread(app) as misfit:
+        pool = await EnginePool.open([replicas.urls[0], misfit], CONFIG)
+        try:
+            with pytest.raises(EngineError, match=f"{misfit} refused"):
+                await pool.update_weights(str(perturbed_model), "v2")
+            first = pool.replicas[replicas.urls[0]].client.model_info()
+            assert (first.model_path, first.weight_version) == (str(tiny_model), "default")  # rolled back
+            assert pool.target == (str(tiny_model), "default")
+            assert all(r.healthy for r in pool.replicas.values())
+        finally:
             await pool.close()
