@@ -225,7 +225,7 @@ class EnginePool:
         Retract mode puts running requests back in the server's queue and re-prefills them under the
         new weights, so no request fails. A replica that cannot be reached is ejected and gets the
         new weights when it is readmitted. A replica that refuses them (a bad checkpoint) keeps its
-        old ones, and the replicas already updated are rolled back: the pool never serves a mix.
+        old ones, and the replicas already updated are rolled back: the pool is not left split.
         """
         async with self._weights_lock:
             updated: list[Replica] = []
