@@ -354,3 +354,18 @@ async def test_a_checkpoint_refused_midway_rolls_the_updated_replicas_back(
             assert all(r.healthy for r in pool.replicas.values())
         finally:
             await pool.close()
+
+
+async def test_two_gateways_send_a_session_to_the_same_replica(replicas: Replicas) -> None:
+    """No shared state: each gateway process has its own pool, and they still agree."""
+    first = await EnginePool.open(replicas.urls, CONFIG)
+    second = await EnginePool.open(list(reversed(replicas.urls)), CONFIG)
+    try:
+        for session in [f"shared-{i}" for i in range(12)]:
+            here = served_by(await run(first, greedy(1), session_key=session))
+            there = served_by(await run(second, greedy(1), session_key=session))
+            assert here == there and len(here) == 1
+        assert len({r.in_flight for r in first.replicas.values()}) == 1  # all back to 0
+    finally:
+        await first.close()
+        await second.close()
