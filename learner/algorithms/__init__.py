@@ -1,0 +1,55 @@
+"""RL math shared by the torch and Megatron trainers: advantages, policy losses, KL, entropy, TIS.
+
+Pure functions of torch tensors, no state. Formulas and names follow slime (``slime/utils/ppo_utils.py``,
+``slime/backends/megatron_utils/loss.py``) so slime users find what they know.
+"""
+
+from learner.algorithms.advantages import (
+    broadcast_to_tokens,
+    feedback_advantages,
+    group_mean_std,
+    grpo_advantages,
+    masked_whiten,
+    reinforce_plus_plus_baseline_advantages,
+    segment_ids,
+)
+from learner.algorithms.losses import (
+    KLType,
+    LossResult,
+    PolicyLossConfig,
+    PolicyLossResult,
+    Reduction,
+    TISResult,
+    compute_approx_kl,
+    compute_policy_loss,
+    compute_tis_weights,
+    entropy_from_logits,
+    policy_loss_function,
+    reduce_masked,
+    sample_mean,
+    token_mean,
+)
+
+__all__ = [
+    "KLType",
+    "LossResult",
+    "PolicyLossConfig",
+    "PolicyLossResult",
+    "Reduction",
+    "TISResult",
+    "broadcast_to_tokens",
+    "compute_approx_kl",
+    "compute_policy_loss",
+    "compute_tis_weights",
+    "entropy_from_logits",
+    "feedback_advantages",
+    "group_mean_std",
+    "grpo_advantages",
+    "masked_whiten",
+    "policy_loss_function",
+    "reduce_masked",
+    "reinforce_plus_plus_baseline_advantages",
+    "sample_mean",
+    "segment_ids",
+    "token_mean",
+]

@@ -1,0 +1,344 @@
+"""Policy-gradient losses: PPO clip, KL estimators, entropy, truncated importance sampling, reduction.
+
+Per-token functions take and return tensors of any shape. The reductions and
+``policy_loss_function`` take per-token tensors and a loss mask either padded, ``[B, T]`` with a row
+per sample, or packed, one ``[T]`` row whose samples ``cu_seqlens`` ``[B + 1]`` delimits (the layout of
+``learner.batching``). Formulas follow slime: ``compute_policy_loss`` and ``compute_approx_kl``
+(``slime/utils/ppo_utils.py``), ``vanilla_tis_function``, ``policy_loss_function`` and
+``get_sum_of_sample_mean`` (``slime/backends/megatron_utils/loss.py`` and ``cp_utils.py``).
+
+Padding positions are left out of every value, but their log-probs must still be finite (use 0): a
+non-finite value there makes its local gradient NaN even though the mask leaves its value out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from learner.algorithms.advantages import segment_ids
+
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+Reduction = Literal["sample_mean", "token_mean"]
+LOW_VAR_KL_CLAMP = 10.0  # slime clamps low_var_kl to [-10, 10]
+
+
+def _as_float(x: Tensor) -> Tensor:
+    # bf16/fp16 log-probs lose the small differences the ratios are made of.
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossResult:
+    """Per-token PPO values, unreduced."""
+
+    loss: Tensor  # max(-ratio * A, -clip(ratio) * A), dual-clipped for A < 0 when eps_clip_c is set
+    clipfrac: Tensor  # 1.0 where the clipped branch won
+    approx_kl: Tensor  # old - new log-prob, slime's ppo_kl
+
+
+def compute_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> PolicyLossResult:
+    """PPO clipped surrogate, asymmetric (DAPO's clip-higher).
+
+    ``ratio = exp(logp - logp_old)``; ``loss = max(-ratio * A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)``;
+    ``clipfrac = [clipped term > unclipped term]``. With ``eps_clip_c > 1`` (dual clip), tokens with
+    ``A < 0`` take ``min(loss, -eps_clip_c * A)``. ``eps_clip_high`` defaults to ``eps_clip``.
+    ``old_log_probs`` and ``advantages`` are treated as constants (detached), so passing the
+    current log-probs as ``old_log_probs`` gives the on-policy gradient ``-A * grad logp``.
+    """
+    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if eps_clip_c is not None and eps_clip_c <= 1.0:
+        raise ValueError(f"eps_clip_c must be > 1 for dual-clip PPO, got {eps_clip_c}")
+    log_probs = _as_float(log_probs)
+    advantages = _as_float(advantages).detach()
+    approx_kl = _as_float(old_log_probs).detach() - log_probs
+    ratio = torch.exp(-approx_kl)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).to(loss.dtype)
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
+    return PolicyLossResult(loss=loss, clipfrac=clipfrac, approx_kl=approx_kl)
+
+
+def compute_approx_kl(
+    log_probs: Tensor,
+    log_probs_base: Tensor,
+    kl_loss_type: KLType = "k1",
+    importance_ratio: Tensor | None = None,
+) -> Tensor:
+    """Per-token estimate of KL(policy || base) from sampled tokens (Schulman's k1/k2/k3).
+
+    With ``d = logp - logp_base``: ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = low_var_kl = exp(-d) - 1 + d``
+    (never negative), ``low_var_kl`` then clamped to [-10, 10]. ``importance_ratio`` (slime's
+    ``--use-unbiased-kl``: ``exp(logp - logp_old)``) multiplies the estimate before the clamp.
+    """
+    d = _as_float(log_probs) - _as_float(log_probs_base)
+    if kl_loss_type == "k1":
+        kl = d
+    elif kl_loss_type == "k2":
+        kl = d**2 / 2
+    elif kl_loss_type in ("k3", "low_var_kl"):
+        kl = torch.exp(-d) - 1 + d
+    else:
+        raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; expected one of {get_args(KLType)}")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    if kl_loss_type == "low_var_kl":
+        kl = kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    return kl
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last dimension: ``H = -sum_v p_v log p_v``, ``[..., V] -> [...]``.
+
+    Logits of -inf (tokens filtered out by top-k/top-p) count as probability 0.
+    """
+    log_p = torch.log_softmax(_as_float(logits), dim=-1)
+    p = log_p.exp()
+    return -(p * log_p.masked_fill(p == 0, 0.0)).sum(dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TISResult:
+    """Truncated importance sampling, per token."""
+
+    weights: Tensor  # clamp(ratio, tis_clip_low, tis_clip), no gradient
+    ratio: Tensor  # exp(logp_train - logp_rollout), slime's "tis" metric
+    clipfrac: Tensor  # 1.0 where the clamp changed the ratio
+
+
+def compute_tis_weights(
+    train_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    tis_clip: float = 2.0,
+    tis_clip_low: float = 0.0,
+) -> TISResult:
+    """``w = clamp(exp(logp_train - logp_rollout), tis_clip_low, tis_clip)`` (slime's ``--use-tis``).
+
+    ``logp_rollout`` is the behaviour policy's log-prob logged at serving time, ``logp_train`` the
+    trainer's log-prob of the same token before this step's update. Corrects for the serving engine
+    and the trainer disagreeing (other kernels, precision, or a weight version behind).
+    """
+    if tis_clip < tis_clip_low:
+        raise ValueError(f"tis_clip ({tis_clip}) must be >= tis_clip_low ({tis_clip_low})")
+    ratio = torch.exp(_as_float(train_log_probs).detach() - _as_float(rollout_log_probs).detach())
+    weights = ratio.clamp(tis_clip_low, tis_clip)
+    return TISResult(weights=weights, ratio=ratio, clipfrac=(weights != ratio).to(ratio.dtype))
+
+
+def _masked(values: Tensor, loss_mask: Tensor) -> Tensor:
+    # where, not multiply: a masked NaN/inf would survive `x * 0`.
+    return torch.where(loss_mask.bool(), values, torch.zeros_like(values))
+
+
+def _per_sample_sums(values: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(sum_t x m, sum_t m)`` per sample, from ``[B, T]`` rows or one packed ``[T]`` row."""
+    masked, mask = _masked(values, loss_mask), loss_mask.to(values.dtype)
+    if cu_seqlens is None:
+        if values.ndim != 2 or values.shape != loss_mask.shape:
+            raise ValueError(
+                f"need values and loss_mask of one [B, T] shape (or a packed [T] row with cu_seqlens), "
+                f"got {tuple(values.shape)} and {tuple(loss_mask.shape)}"
+            )
+        return masked.sum(dim=1), mask.sum(dim=1)
+    if values.ndim != 1 or values.shape != loss_mask.shape or values.shape[0] != int(cu_seqlens[-1]):
+        raise ValueError(
+            f"a packed row needs values and loss_mask of shape [cu_seqlens[-1]] = [{int(cu_seqlens[-1])}], "
+            f"got {tuple(values.shape)} and {tuple(loss_mask.shape)}"
+        )
+    ids, n = segment_ids(cu_seqlens), cu_seqlens.numel() - 1
+    zeros = values.new_zeros(n)
+    return zeros.index_add(0, ids, masked), zeros.index_add(0, ids, mask)
+
+
+def sample_mean(
+    values: Tensor,
+    loss_mask: Tensor,
+    num_samples: int | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """``sum_i (sum_t x[i, t] m[i, t] / max(sum_t m[i, t], 1)) / num_samples`` (``num_samples`` defaults to B).
+
+    Every sample weighs the same whatever its length. Samples are the rows of ``[B, T]`` tensors, or
+    the segments ``cu_seqlens`` marks in one packed ``[T]`` row. Pass the step's total sample count as
+    ``num_samples`` when a step is split into micro-batches: their results then add up to the whole
+    step's value. A fully masked sample adds 0 and still counts in B, as in slime.
+    """
+    sums, counts = _per_sample_sums(values, loss_mask, cu_seqlens)
+    return (sums / counts.clamp_min(1)).sum() / max(sums.shape[0] if num_samples is None else num_samples, 1)
+
+
+def token_mean(values: Tensor, loss_mask: Tensor, num_tokens: int | None = None) -> Tensor:
+    """``sum_{i,t} x[i, t] m[i, t] / num_tokens`` (defaults to ``max(sum m, 1)``): every token weighs the same.
+
+    slime's ``--calculate-per-token-loss``; longer answers weigh more. Any layout (padded or packed).
+    Pass the step's total token count as ``num_tokens`` when a step is split into micro-batches.
+    """
+    if values.shape != loss_mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and loss_mask {tuple(loss_mask.shape)} differ in shape")
+    denominator = float(loss_mask.sum()) if num_tokens is None else num_tokens
+    return _masked(values, loss_mask).sum() / max(denominator, 1)
+
+
+def reduce_masked(
+    values: Tensor,
+    loss_mask: Tensor,
+    reduction: Reduction = "sample_mean",
+    *,
+    num_samples: int | None = None,
+    num_tokens: int | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """``sample_mean`` (the default, as slime's) or ``token_mean`` of ``values`` under ``loss_mask``."""
+    if reduction == "sample_mean":
+        return sample_mean(values, loss_mask, num_samples, cu_seqlens=cu_seqlens)
+    if reduction == "token_mean":
+        return token_mean(values, loss_mask, num_tokens)
+    raise ValueError(f"unknown reduction {reduction!r}; expected one of {get_args(Reduction)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossConfig:
+    """The knobs of ``policy_loss_function``, named as slime's flags (``--eps-clip`` -> ``eps_clip``)."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # None: eps_clip
+    eps_clip_c: float | None = None  # dual clip, > 1
+    kl_loss_coef: float = 0.0
+    kl_loss_type: KLType = "k1"
+    use_unbiased_kl: bool = False
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    reduction: Reduction = "sample_mean"  # "token_mean" is slime's --calculate-per-token-loss
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
+            errors.append("eps_clip and eps_clip_high must be >= 0")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            errors.append(f"eps_clip_c must be > 1 (dual-clip PPO), got {self.eps_clip_c}")
+        if self.kl_loss_type not in get_args(KLType):
+            errors.append(f"kl_loss_type must be one of {get_args(KLType)}, got {self.kl_loss_type!r}")
+        if self.tis_clip < self.tis_clip_low or self.tis_clip_low < 0:
+            errors.append(f"need 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low} and {self.tis_clip}")
+        if self.reduction not in get_args(Reduction):
+            errors.append(f"reduction must be one of {get_args(Reduction)}, got {self.reduction!r}")
+        if errors:
+            raise ValueError("invalid policy loss config: " + "; ".join(errors))
+
+
+@dataclass(frozen=True, slots=True)
+class LossResult:
+    """The scalar loss to back-propagate and its reduced parts (slime's ``train/`` metric names)."""
+
+    loss: Tensor
+    pg_loss: Tensor
+    pg_clipfrac: Tensor
+    ppo_kl: Tensor
+    entropy_loss: Tensor | None = None  # None when no entropy was given
+    kl_loss: Tensor | None = None  # None when no reference log-probs were given
+    tis: Tensor | None = None  # mean importance ratio, with use_tis
+    tis_clipfrac: Tensor | None = None
+    train_rollout_logprob_abs_diff: Tensor | None = None  # with rollout log-probs
+
+    def metrics(self) -> dict[str, float]:
+        """The values that are set, as floats keyed by slime's metric names."""
+        names = (
+            "loss",
+            "pg_loss",
+            "pg_clipfrac",
+            "ppo_kl",
+            "entropy_loss",
+            "kl_loss",
+            "tis",
+            "tis_clipfrac",
+            "train_rollout_logprob_abs_diff",
+        )
+        return {name: value.detach().item() for name in names if (value := getattr(self, name)) is not None}
+
+
+def policy_loss_function(
+    config: PolicyLossConfig,
+    log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    old_log_probs: Tensor | None = None,
+    ref_log_probs: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    num_samples: int | None = None,
+    num_tokens: int | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> LossResult:
+    """``loss = R(pg * w) + kl_loss_coef * R(KL(logp, logp_ref)) - entropy_coef * R(H)``.
+
+    ``R`` is ``config.reduction`` over ``loss_mask``; ``pg`` is ``compute_policy_loss`` per token; ``w``
+    are the TIS weights (``use_tis``) of the trainer's pre-update log-probs against
+    ``rollout_log_probs``, else 1. All tensors are per token, ``[B, T]`` or one packed ``[T]`` row with
+    ``cu_seqlens``; ``advantages`` already broadcast (``broadcast_to_tokens``). ``old_log_probs=None``
+    means on-policy (``logp`` detached), as slime does when it has not recomputed them.
+    ``num_samples``/``num_tokens``: the step's totals when it is split into micro-batches (``sample_mean``).
+    """
+    if config.use_tis and rollout_log_probs is None:
+        raise ValueError("use_tis needs rollout_log_probs (the behaviour log-probs logged at serving time)")
+    if config.kl_loss_coef != 0 and ref_log_probs is None:
+        raise ValueError("kl_loss_coef != 0 needs ref_log_probs")
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+
+    def reduce(values: Tensor) -> Tensor:
+        return reduce_masked(
+            values, loss_mask, config.reduction, num_samples=num_samples, num_tokens=num_tokens, cu_seqlens=cu_seqlens
+        )
+
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    pg = compute_policy_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c)
+    pg_values, tis = pg.loss, None
+    if config.use_tis and rollout_log_probs is not None:
+        tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low)
+        pg_values = pg_values * tis.weights
+    pg_loss = reduce(pg_values)
+    loss = pg_loss
+
+    entropy_loss = None
+    if entropy is not None:
+        entropy_loss = reduce(_as_float(entropy))
+        loss = loss - config.entropy_coef * entropy_loss
+
+    kl_loss = None
+    if ref_log_probs is not None:
+        ratio = torch.exp(-pg.approx_kl) if config.use_unbiased_kl else None
+        kl_loss = reduce(compute_approx_kl(log_probs, ref_log_probs, config.kl_loss_type, ratio))
+        loss = loss + config.kl_loss_coef * kl_loss
+
+    abs_diff = None
+    if rollout_log_probs is not None:
+        abs_diff = reduce((_as_float(old) - _as_float(rollout_log_probs)).abs().detach())
+
+    return LossResult(
+        loss=loss,
+        pg_loss=pg_loss.detach(),
+        pg_clipfrac=reduce(pg.clipfrac).detach(),
+        ppo_kl=reduce(pg.approx_kl).detach(),
+        entropy_loss=None if entropy_loss is None else entropy_loss.detach(),
+        kl_loss=None if kl_loss is None else kl_loss.detach(),
+        tis=None if tis is None else reduce(tis.ratio),
+        tis_clipfrac=None if tis is None else reduce(tis.clipfrac),
+        train_rollout_logprob_abs_diff=abs_diff,
+    )
