@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
 from server.errors import ApiError
 from server.prompt import PromptRenderer
 from server.schemas import ChatCompletionRequest
+from server.session_turns import Reply, SessionTurns, Turn
 from server.sse import DONE, event
 from storage.records import CompletionRecord
 
@@ -101,6 +103,10 @@ class ChatService:
         self.engine = engine
         self.model_name = info.served_model_name
         self.renderer = PromptRenderer(tokenizer, info.context_length)
+        end_ids = {*info.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
+        self.turns = SessionTurns(
+            self.renderer.render_closed, lambda ids: tokenizer.decode(ids, skip_special_tokens=False), end_ids
+        )
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
         self.log = log
@@ -139,6 +145,12 @@ class ChatService:
         started = time.perf_counter()
         self.check_model(request.model)
         conversation, prompt_ids = await self.renderer.render(request.messages)
+        metadata = request.metadata or {}
+        session_key = session_header or metadata.get("session_id") or request.user
+        if session_key:
+            spliced = self.turns.splice((identity.tenant_id, session_key), conversation, prompt_ids)
+            if spliced is not None and len(spliced) < self.renderer.context_length:
+                prompt_ids = spliced
         max_new = self.renderer.max_new_tokens(len(prompt_ids), request.max_new_tokens)
         temperature = 1.0 if request.temperature is None else request.temperature
         top_p = 1.0 if request.top_p is None else request.top_p
@@ -155,12 +167,11 @@ class ChatService:
             ignore_eos=request.ignore_eos,
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
-        metadata = request.metadata or {}
         call = ChatCall(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             request=request,
             identity=identity,
-            session_key=session_header or metadata.get("session_id") or request.user,
+            session_key=session_key,
             conversation=conversation,
             prompt_ids=prompt_ids,
             sampling=[SamplingParams(**{**asdict(base), "seed": seed}) for seed in seeds],
@@ -206,6 +217,7 @@ class ChatService:
         if aborted is not None:
             raise ApiError(503, f"The engine aborted the request ({aborted.abort_message}); retry it.")
         await self.log.record_completion(self._record(call, "ok"))
+        self._remember(call)
         return {
             **self._head(call, "chat.completion", call.states[0].weight_version),
             "choices": [
@@ -264,6 +276,7 @@ class ChatService:
                 raise EngineError(f"the engine aborted the request ({aborted.abort_message})", 503)
             status = "ok"
             await self.log.record_completion(self._record(call, status))
+            self._remember(call)
         except EngineError as exc:
             status = "error"
             self._record_later(call, status)
@@ -345,6 +358,13 @@ class ChatService:
             session_key=call.session_key,
             metadata=dict(request.metadata or {}),
         )
+
+    def _remember(self, call: ChatCall) -> None:
+        """Keep the turn so the session's next prompt can carry these replies as generated."""
+        if call.session_key:
+            replies = tuple(Reply(s.visible_text, array("l", s.token_ids)) for s in call.states)
+            turn = Turn(call.conversation, array("l", call.prompt_ids), replies)
+            self.turns.remember((call.identity.tenant_id, call.session_key), turn)
 
     def _record_later(self, call: ChatCall, status: str) -> None:
         # Called where the request task may be cancelled, so the write gets its own task.

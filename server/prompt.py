@@ -44,7 +44,11 @@ class PromptRenderer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._control = tuple(token.content for token in tokenizer.added_tokens_decoder.values())
 
-    def _render(self, conversation: list[dict[str, Any]]) -> list[int]:
+    def render_closed(self, conversation: list[dict[str, Any]]) -> list[int]:
+        """Ids of a conversation that ends with an assistant message (no generation prompt)."""
+        return self._render(conversation, generation_prompt=False)
+
+    def _render(self, conversation: list[dict[str, Any]], *, generation_prompt: bool = True) -> list[int]:
         try:
             blob = orjson.dumps(conversation).decode()
             if self._backend is not None and not any(token in blob for token in self._control):
@@ -53,13 +57,13 @@ class PromptRenderer:
                 (text,), _ = render_jinja_template(
                     conversations=[conversation],
                     chat_template=self._template,
-                    add_generation_prompt=True,
+                    add_generation_prompt=generation_prompt,
                     **self._template_vars,
                 )
                 return self._backend.encode(text, add_special_tokens=False).ids
             ids = self.tokenizer.apply_chat_template(
                 conversation,
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 tokenize=True,
                 return_dict=False,
                 # Control tokens typed by a user stay plain text: only the template writes them.
@@ -71,7 +75,9 @@ class PromptRenderer:
 
     async def render(self, messages: list[Message]) -> tuple[list[dict[str, Any]], list[int]]:
         """The messages as the template saw them, and the prompt token ids."""
-        conversation = [template_message(m) for m in messages]
+        return await self.render_conversation([template_message(m) for m in messages])
+
+    async def render_conversation(self, conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
         size = sum(len(m["content"]) for m in conversation)
         ids = (
             self._render(conversation) if size <= _INLINE_CHARS else await asyncio.to_thread(self._render, conversation)

@@ -1,0 +1,103 @@
+"""Next-turn prompts that contain the previous reply as the model generated it, token for token.
+
+A client sends the whole history again each turn, and re-tokenising a reply's text need not give the
+ids the model produced (byte-level BPE merges differently). Then the next prompt diverges from the
+engine's cached prefix inside the previous reply, and the learner would see a prompt the policy
+never produced. When a session's new messages extend its last turn with that turn's reply unchanged,
+the new prompt is spliced from the last prompt, the generated ids and the template's rendering of
+what follows; anything else (an edited reply, a reply cut by a stop string or a length limit,
+another history) falls back to plain rendering.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Conversation = list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    text: str  # what the client saw, and will send back as the assistant message
+    token_ids: array  # as generated, ending with the end-of-turn token when the model stopped itself
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    conversation: Conversation  # the messages the prompt was rendered from
+    prompt_ids: array
+    replies: tuple[Reply, ...]  # one per choice
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + sum(len(r.token_ids) for r in self.replies)
+
+
+class SessionTurns:
+    """The last turn of each session, least recently used first out, bounded in tokens held.
+
+    ``render_closed`` renders a conversation ending with an assistant message, without a generation
+    prompt; ``decode`` turns ids into text with special tokens kept, to check a splice says exactly
+    what plain rendering says.
+    """
+
+    def __init__(
+        self,
+        render_closed: Callable[[Conversation], list[int]],
+        decode: Callable[[Sequence[int]], str],
+        end_of_turn_ids: set[int],
+        capacity_tokens: int = 8 << 20,
+    ) -> None:
+        self._render_closed = render_closed
+        self._decode = decode
+        self._end_ids = end_of_turn_ids
+        self._capacity = capacity_tokens
+        self._turns: OrderedDict[tuple[str, str], Turn] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def remember(self, key: tuple[str, str], turn: Turn) -> None:
+        self._forget(key)
+        if turn.tokens > self._capacity:
+            return
+        self._turns[key] = turn
+        self._tokens += turn.tokens
+        while self._tokens > self._capacity:
+            self._forget(next(iter(self._turns)))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        old = self._turns.pop(key, None)
+        if old is not None:
+            self._tokens -= old.tokens
+
+    def splice(self, key: tuple[str, str], conversation: Conversation, rendered: list[int]) -> list[int] | None:
+        """The prompt with the last turn's generated reply in place, or None to use ``rendered``."""
+        last = self._turns.get(key)
+        if last is None:
+            return None
+        self._turns.move_to_end(key)
+        n = len(last.conversation)
+        if len(conversation) <= n + 1 or conversation[:n] != last.conversation:
+            return None
+        reply = conversation[n]
+        chosen = next((r for r in last.replies if reply == {"role": "assistant", "content": r.text}), None)
+        if chosen is None or not chosen.token_ids or chosen.token_ids[-1] not in self._end_ids:
+            return None
+        closed = self._render_closed(conversation[: n + 1])
+        prompt = list(last.prompt_ids)
+        if closed[: len(prompt)] != prompt or rendered[: len(closed)] != closed:
+            return None  # the template does not render this conversation as a growing prefix
+        reply_rendered = closed[len(prompt) :]
+        end = chosen.token_ids[-1]
+        if end not in reply_rendered:
+            return None
+        after_reply = reply_rendered[reply_rendered.index(end) + 1 :]
+        spliced = [*prompt, *chosen.token_ids, *after_reply, *rendered[len(closed) :]]
+        # The same text as plain rendering, only tokenised as the model did: else do not use it.
+        return spliced if self._decode(spliced) == self._decode(rendered) else None
