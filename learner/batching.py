@@ -1,0 +1,421 @@
+"""From scored groups to micro-batches: dynamic-sampling filter, exclusion, loss masks, packing.
+
+Dynamic sampling follows slime (``rollout/filter_hub``, ``sglang_rollout.generate_rollout``): a
+filter sees one group and answers ``DynamicFilterOutput(keep, reason, keep_when_insufficient)`` or a
+bare bool (slime's legacy form); dropped groups are counted per reason under slime's metric names
+``rollout/dynamic_filter/drop_{reason}``. One difference: a drop without a reason is counted as
+``drop_unspecified`` where slime does not count it, so every dropped group shows up somewhere.
+
+Packing keeps every sample whole and lays samples end to end in one token row per micro-batch
+(``cu_seqlens`` offsets, positions restarting at each sample), so attention and losses computed per
+segment equal the unpacked ones. Bins are filled first-fit-decreasing (slime fills first-fit in
+input order: decreasing order needs fewer bins for the same cap); a sample longer than the cap is an
+error here, where slime gives it a bin of its own over the cap, because the cap is a memory limit.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from learner.algorithms.advantages import segment_ids
+from learner.plugins import HookKind, Plugin, PluginError
+from learner.sample import Sample
+
+__all__ = [
+    "DynamicFilterOutput",
+    "FilterResult",
+    "MicroBatch",
+    "PackedMicroBatch",
+    "PackingError",
+    "apply_assistant_loss_mask",
+    "apply_dynamic_filter",
+    "assistant_loss_mask",
+    "block_causal_mask",
+    "call_buffer_filter",
+    "call_dynamic_filter",
+    "check_reward_nonzero_std",
+    "check_reward_nonzero_std_with_fallback",
+    "collate_micro_batch",
+    "pack_micro_batches",
+    "pack_samples",
+    "segment_masked_mean",
+    "sequence_loss_mask",
+    "should_drop_dynamic_filter_output",
+    "split_removed",
+    "training_loss_mask",
+    "zero_std_metrics",
+]
+
+ZERO_STD_EPSILON = 1e-6  # slime's: rewards whose std is below this do not vary
+DROP_METRIC_PREFIX = "rollout/dynamic_filter/drop_"
+
+
+# dynamic sampling
+
+
+@dataclass(slots=True)
+class DynamicFilterOutput:
+    """slime's filter result: drop the group unless ``keep``; ``reason`` names the metric.
+
+    ``keep_when_insufficient`` keeps a rejected group when dropping it would leave too few groups to
+    reach the target (no extra oversampling round for it).
+    """
+
+    keep: bool
+    reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+DynamicFilter = Callable[..., Any]
+
+
+def check_reward_nonzero_std(args: object, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    """Keep a group whose rewards vary (unbiased std above 1e-6; a group of one never varies)."""
+    rewards = [s.get_reward_value(args) for s in samples]
+    keep = len(rewards) > 1 and statistics.stdev(rewards) > ZERO_STD_EPSILON
+    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(rewards[0], 1)}")
+
+
+def check_reward_nonzero_std_with_fallback(args: object, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    """Like ``check_reward_nonzero_std`` but keeps zero-std groups rather than leaving the batch short."""
+    output = check_reward_nonzero_std(args, samples, **kwargs)
+    output.keep_when_insufficient = True
+    return output
+
+
+def call_dynamic_filter(fn: Plugin | DynamicFilter | None, args: object, group: list[Sample]) -> DynamicFilterOutput:
+    """Run a filter (None keeps everything) and upgrade slime's legacy bool result.
+
+    Raises:
+        PluginError: a result that is neither a DynamicFilterOutput nor a truth value (None included).
+    """
+    if fn is None:
+        return DynamicFilterOutput(keep=True)
+    output = fn.call(args, group) if isinstance(fn, Plugin) else fn(args, group)
+    if isinstance(output, DynamicFilterOutput):
+        return DynamicFilterOutput(bool(output.keep), output.reason, bool(output.keep_when_insufficient))
+    if hasattr(output, "keep"):  # slime's own DynamicFilterOutput, from a slime install
+        reason = getattr(output, "reason", None)
+        return DynamicFilterOutput(bool(output.keep), reason, bool(getattr(output, "keep_when_insufficient", False)))
+    if output is None or not hasattr(type(output), "__bool__"):
+        name = fn.path if isinstance(fn, Plugin) else getattr(fn, "__qualname__", repr(fn))
+        raise PluginError(f"dynamic filter {name!r} returned {output!r}, not a DynamicFilterOutput or bool")
+    return DynamicFilterOutput(keep=bool(output))  # legacy: a bare truth value (a torch bool too)
+
+
+def should_drop_dynamic_filter_output(
+    output: DynamicFilterOutput, *, remaining_batch_size: int, target_data_size: int | None
+) -> bool:
+    """slime's rule; ``remaining_batch_size`` counts groups not dropped (kept + still to examine)."""
+    if output.keep:
+        return False
+    insufficient = target_data_size is not None and remaining_batch_size <= target_data_size
+    return not (output.keep_when_insufficient and insufficient)
+
+
+@dataclass(slots=True)
+class FilterResult:
+    """Groups kept, dropped (with their reasons) and left over once the target was reached."""
+
+    kept: list[list[Sample]] = field(default_factory=list)
+    dropped: list[tuple[list[Sample], str | None]] = field(default_factory=list)
+    surplus: list[list[Sample]] = field(default_factory=list)
+
+    @property
+    def drop_counts(self) -> dict[str, int]:
+        return dict(Counter(reason or "unspecified" for _, reason in self.dropped))
+
+    def metrics(self) -> dict[str, int]:
+        return {f"{DROP_METRIC_PREFIX}{reason}": n for reason, n in self.drop_counts.items()}
+
+
+def apply_dynamic_filter(
+    args: object,
+    groups: Sequence[list[Sample]],
+    filter_fn: Plugin | DynamicFilter | None = check_reward_nonzero_std,
+    *,
+    target_groups: int | None = None,
+) -> FilterResult:
+    """Filter groups in order, as slime's rollout loop does once they are generated.
+
+    Args:
+        args: passed to the filter (the built-in reads ``args.reward_key`` if present).
+        groups: the scored groups, in the order they finished.
+        filter_fn: a DYNAMIC_FILTER plugin or a plain function; None keeps every group.
+        target_groups: stop once this many are kept (the rest go to ``surplus``, for the next
+            round); it also decides when ``keep_when_insufficient`` applies. None: no target.
+
+    Raises:
+        ValueError: a negative target.
+        PluginError: a plugin of another kind, or a result of the wrong type.
+    """
+    if target_groups is not None and target_groups < 0:
+        raise ValueError(f"target_groups must be >= 0, got {target_groups}")
+    if isinstance(filter_fn, Plugin) and filter_fn.kind is not HookKind.DYNAMIC_FILTER:
+        raise filter_fn.error("is not a dynamic-sampling filter")
+    result = FilterResult()
+    remaining = len(groups)
+    for position, group in enumerate(groups):
+        if target_groups is not None and len(result.kept) >= target_groups:
+            result.surplus = list(groups[position:])
+            break
+        output = call_dynamic_filter(filter_fn, args, group)
+        if should_drop_dynamic_filter_output(output, remaining_batch_size=remaining, target_data_size=target_groups):
+            result.dropped.append((group, output.reason))
+            remaining -= 1
+        else:
+            result.kept.append(group)
+    return result
+
+
+def zero_std_metrics(groups: Sequence[Sequence[Sample]], reward_key: str | None = None) -> dict[str, int]:
+    """slime's ``rollout/zero_std/count_{reward}``: groups whose rewards are all equal, by that reward."""
+    counts: Counter[str] = Counter()
+    for group in groups:
+        rewards = [s.reward_value(reward_key) for s in group]
+        if rewards and all(r == rewards[0] for r in rewards):
+            counts[str(round(rewards[0], 1))] += 1
+    return {f"rollout/zero_std/count_{reward}": n for reward, n in counts.items()}
+
+
+def call_buffer_filter(plugin: Plugin, args: object, samples: list[Sample]) -> list[Sample]:
+    """Run a buffer filter: it picks (and may reorder) samples, it never invents them.
+
+    Raises:
+        PluginError: a plugin of another kind, a result that is not a list, or an item that is not
+            one of the given samples.
+    """
+    if plugin.kind is not HookKind.BUFFER_FILTER:
+        raise plugin.error("is not a buffer filter")
+    selected = plugin.call(args, samples)
+    if not isinstance(selected, list):
+        raise plugin.error(f"returned a {type(selected).__name__}, not a list")
+    given = {id(s) for s in samples}
+    for item in selected:
+        if not isinstance(item, Sample) or id(item) not in given:
+            raise plugin.error(f"returned {type(item).__name__} that is not one of the given samples")
+    return selected
+
+
+# exclusion and loss masks
+
+
+def split_removed(samples: Sequence[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """``(trainable, removed)`` by the ``remove`` flag.
+
+    Run after rewards are normalised, so removed samples still count in their group's baseline as in
+    slime; dropping them from the batch then changes no other sample's loss (losses are per sample).
+    """
+    kept = [s for s in samples if not s.remove]
+    return kept, [s for s in samples if s.remove]
+
+
+def training_loss_mask(sample: Sample) -> list[int]:
+    """The response loss mask the trainer uses: all zeros for a removed sample (slime's rule)."""
+    return [0] * sample.response_length if sample.remove else sample.resolved_loss_mask()
+
+
+def assistant_loss_mask(
+    response_token_ids: Sequence[int],
+    *,
+    masked_token_ids: Collection[int] = (),
+    non_assistant_spans: Sequence[tuple[int, int]] = (),
+) -> list[int]:
+    """1 on the assistant's own response tokens, 0 on the rest.
+
+    Args:
+        response_token_ids: the response part of the sample (the prompt is never trained).
+        masked_token_ids: special tokens never to train on (e.g. a turn header the template inserts).
+            Leave the end-of-turn token out of it: the model must learn to stop.
+        non_assistant_spans: ``[start, end)`` response positions that are not the model's own text
+            (tool results, user turns inside a multi-turn response).
+
+    Raises:
+        ValueError: a span outside the response or with end < start.
+    """
+    n = len(response_token_ids)
+    blocked = frozenset(masked_token_ids)
+    mask = [0 if t in blocked else 1 for t in response_token_ids]
+    for start, end in non_assistant_spans:
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"span [{start}, {end}) is outside a response of {n} tokens")
+        mask[start:end] = [0] * (end - start)
+    return mask
+
+
+def apply_assistant_loss_mask(
+    sample: Sample,
+    *,
+    masked_token_ids: Collection[int] = (),
+    non_assistant_spans: Sequence[tuple[int, int]] = (),
+) -> None:
+    """Narrow ``sample.loss_mask`` to assistant tokens (combined with any mask it already has)."""
+    mask = assistant_loss_mask(
+        sample.response_token_ids, masked_token_ids=masked_token_ids, non_assistant_spans=non_assistant_spans
+    )
+    sample.loss_mask = [a & b for a, b in zip(sample.resolved_loss_mask(), mask, strict=True)]
+
+
+def sequence_loss_mask(sample: Sample) -> list[int]:
+    """The loss mask over prompt + response: 0 on the prompt, ``training_loss_mask`` on the response."""
+    return [0] * sample.prompt_length + training_loss_mask(sample)
+
+
+# packing
+
+
+class PackingError(ValueError):
+    """Samples that cannot be packed under the token cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """Samples laid end to end: sample ``sample_indices[k]`` is tokens ``cu_seqlens[k]:cu_seqlens[k+1]``."""
+
+    sample_indices: tuple[int, ...]
+    cu_seqlens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.cu_seqlens) != len(self.sample_indices) + 1 or self.cu_seqlens[:1] != (0,):
+            raise PackingError("cu_seqlens must start at 0 and have one more entry than sample_indices")
+        if any(b <= a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:], strict=False)):
+            raise PackingError("cu_seqlens must increase strictly (no empty samples)")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of each sample in the packed row, in ``sample_indices`` order."""
+        return list(zip(self.cu_seqlens, self.cu_seqlens[1:], strict=False))
+
+
+def pack_micro_batches(lengths: Sequence[int], max_tokens_per_device: int) -> list[MicroBatch]:
+    """First-fit-decreasing packing of whole samples into bins of at most ``max_tokens_per_device``.
+
+    Within a bin samples keep their input order; bins are ordered by their first sample, so the
+    result does not depend on anything but the lengths.
+
+    Raises:
+        PackingError: a non-positive cap, an empty sample, or one longer than the cap.
+    """
+    if max_tokens_per_device < 1:
+        raise PackingError(f"max_tokens_per_device must be positive, got {max_tokens_per_device}")
+    empty = [i for i, n in enumerate(lengths) if n < 1]
+    if empty:
+        raise PackingError(f"samples {empty} have no tokens")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens_per_device]
+    if too_long:
+        listed = ", ".join(f"#{i}: {n}" for i, n in too_long)
+        raise PackingError(
+            f"{len(too_long)} sample(s) exceed max_tokens_per_device={max_tokens_per_device} ({listed}): "
+            "truncate or drop them before packing"
+        )
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = next((b for b, room in enumerate(free) if lengths[i] <= room), None)
+        if target is None:
+            bins.append([i])
+            free.append(max_tokens_per_device - lengths[i])
+        else:
+            bins[target].append(i)
+            free[target] -= lengths[i]
+    batches = []
+    for members in sorted((sorted(b) for b in bins), key=lambda b: b[0]):
+        offsets = [0]
+        for i in members:
+            offsets.append(offsets[-1] + lengths[i])
+        batches.append(MicroBatch(tuple(members), tuple(offsets)))
+    return batches
+
+
+def pack_samples(samples: Sequence[Sample], max_tokens_per_device: int) -> list[MicroBatch]:
+    """``pack_micro_batches`` over the samples' prompt + response lengths (indices into ``samples``)."""
+    return pack_micro_batches([s.total_length for s in samples], max_tokens_per_device)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedMicroBatch:
+    """One packed token row and what a loss needs to treat each sample as if it were alone.
+
+    ``loss_mask[t]`` is 1 when token ``t`` is a trained response token. Its log-prob comes from the
+    logits at ``t - 1``: every sample starts with a prompt token (mask 0), so a prediction across a
+    sample boundary is always masked out.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64, restarting at 0 for each sample
+    loss_mask: torch.Tensor  # [T] float32
+    cu_seqlens: torch.Tensor  # [n + 1] int32
+    sample_indices: tuple[int, ...]
+
+
+def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> PackedMicroBatch:
+    """Build the packed tensors of ``micro_batch`` from ``samples`` (the list it was packed from).
+
+    Raises:
+        PackingError: a sample whose length changed since packing, or one without a prompt token.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    mask: list[int] = []
+    for index, (start, end) in zip(micro_batch.sample_indices, micro_batch.bounds(), strict=True):
+        sample = samples[index]
+        sample.validate()
+        if sample.total_length != end - start:
+            raise PackingError(f"sample {index} has {sample.total_length} tokens, packed as {end - start}")
+        if not sample.prompt_token_ids:
+            raise PackingError(f"sample {index} has no prompt token: its first response token has no prediction")
+        ids += sample.tokens
+        positions += range(sample.total_length)
+        mask += sequence_loss_mask(sample)
+    return PackedMicroBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        cu_seqlens=torch.tensor(micro_batch.cu_seqlens, dtype=torch.int32),
+        sample_indices=micro_batch.sample_indices,
+    )
+
+
+def segment_masked_mean(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``sum(values * mask) / max(sum(mask), 1)`` over a packed row (slime's per-sample mean).
+
+    Args:
+        values: ``[T]`` per-token values (e.g. losses), differentiable.
+        mask: ``[T]`` loss mask.
+        cu_seqlens: ``[n + 1]`` sample offsets.
+
+    Returns:
+        ``[n]``, one mean per sample, exactly what each sample gives alone.
+
+    Raises:
+        ValueError: shapes that do not match ``cu_seqlens``.
+    """
+    total = int(cu_seqlens[-1])
+    if values.shape != (total,) or mask.shape != (total,):
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} must both be ({total},)")
+    segments = segment_ids(cu_seqlens)
+    n = cu_seqlens.numel() - 1
+    mask = mask.to(values.dtype)
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, segments, values * mask)
+    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, segments, mask)
+    return sums / counts.clamp(min=1)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T, T]`` bool attention mask: token i sees token j iff same sample and j <= i.
+
+    For attention without varlen kernels (CPU, SDPA): packed attention then equals each sample's own.
+    """
+    segments = segment_ids(cu_seqlens)
+    total = segments.numel()
+    causal = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return causal & (segments[:, None] == segments[None, :])
