@@ -117,6 +117,26 @@ def test_second_turn_of_a_session_hits_the_prefix_cache(client: OpenAI, sglang_g
     assert logged(client, second.id)["cached_tokens"] == cached
 
 
+def test_a_second_turn_reuses_the_whole_first_turn(client: OpenAI, sglang_gateway: Gateway) -> None:
+    """The reply goes back into the next prompt as SGLang generated it, so the radix cache covers it."""
+    session = {"X-Session-Id": f"s-{uuid.uuid4().hex}"}
+    history = [{"role": "user", "content": "your of 33"}]  # 4 tokens, then the model stops itself
+    first = client.chat.completions.create(
+        model=sglang_gateway.model, messages=history, max_tokens=40, temperature=0, extra_headers=session
+    )
+    assert first.choices[0].finish_reason == "stop"
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "and what else?"},
+    ]
+    second = chat(client, sglang_gateway.model, history, 4, extra_headers=session)
+    first_log, second_log = logged(client, first.id), logged(client, second.id)
+    generated = [*first_log["prompt_token_ids"], *first_log["choices"][0]["token_ids"]]
+    assert second_log["prompt_token_ids"][: len(generated)] == generated
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(generated) - 1
+
+
 async def test_update_weights_from_disk_shows_through_the_gateway(
     client: OpenAI, sglang_gateway: Gateway, sglang_url: str, tiny_model: Path, perturbed_model: Path
 ) -> None:
