@@ -5,8 +5,8 @@ ids the model produced (byte-level BPE merges differently). Then the next prompt
 engine's cached prefix inside the previous reply, and the learner would see a prompt the policy
 never produced. When a session's new messages extend its last turn with that turn's reply unchanged,
 the new prompt is spliced from the last prompt, the generated ids and the template's rendering of
-what follows; anything else (an edited reply, a reply cut by a stop string or a length limit,
-another history) falls back to plain rendering.
+what follows; anything else (an edited reply, a reply cut by a stop string, another history) falls
+back to plain rendering, as does any splice whose text would differ from plain rendering.
 """
 
 from __future__ import annotations
@@ -87,17 +87,20 @@ class SessionTurns:
             return None
         reply = conversation[n]
         chosen = next((r for r in last.replies if reply == {"role": "assistant", "content": r.text}), None)
-        if chosen is None or not chosen.token_ids or chosen.token_ids[-1] not in self._end_ids:
+        if chosen is None or not chosen.token_ids:
             return None
         closed = self._render_closed(conversation[: n + 1])
         prompt = list(last.prompt_ids)
         if closed[: len(prompt)] != prompt or rendered[: len(closed)] != closed:
             return None  # the template does not render this conversation as a growing prefix
+        # The template closes the reply with an end-of-turn token; the model wrote that token itself
+        # when it stopped on its own, and not when a length limit cut it.
         reply_rendered = closed[len(prompt) :]
-        end = chosen.token_ids[-1]
-        if end not in reply_rendered:
+        end = next((i for i, token in enumerate(reply_rendered) if token in self._end_ids), None)
+        if end is None:
             return None
-        after_reply = reply_rendered[reply_rendered.index(end) + 1 :]
+        closed_by_model = chosen.token_ids[-1] in self._end_ids
+        after_reply = reply_rendered[end + 1 if closed_by_model else end :]
         spliced = [*prompt, *chosen.token_ids, *after_reply, *rendered[len(closed) :]]
         # The same text as plain rendering, only tokenised as the model did: else do not use it.
         return spliced if self._decode(spliced) == self._decode(rendered) else None

@@ -87,11 +87,27 @@ async def test_anything_but_an_unchanged_continuation_renders_plainly(
     assert turns.splice(key, conversation, rendered) is None
 
 
-async def test_a_reply_that_did_not_end_itself_renders_plainly(
+async def test_a_reply_cut_by_a_length_limit_is_closed_by_the_template(
     renderer: PromptRenderer, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     turns = turns_for(renderer, tokenizer)
-    turns.remember(KEY, await first_turn(renderer, tokenizer, end=False))  # cut by a length limit
+    turn = await first_turn(renderer, tokenizer, end=False)
+    turns.remember(KEY, turn)
+    conversation, rendered = await renderer.render_conversation(second_conversation())
+    spliced = turns.splice(KEY, conversation, rendered)
+    assert spliced is not None
+    head = [*turn.prompt_ids, *turn.replies[0].token_ids]
+    assert spliced[: len(head)] == head and spliced[len(head)] == tokenizer.eos_token_id  # the template's end
+    assert tokenizer.decode(spliced, skip_special_tokens=False) == tokenizer.decode(rendered, skip_special_tokens=False)
+
+
+async def test_a_reply_cut_by_a_stop_string_renders_plainly(
+    renderer: PromptRenderer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    turns = turns_for(renderer, tokenizer)
+    conversation, prompt = await renderer.render_conversation(FIRST)
+    generated = char_level_reply(tokenizer, REPLY_TEXT + " STOP and more", end=False)  # the client saw less
+    turns.remember(KEY, Turn(conversation, array("l", prompt), (Reply(REPLY_TEXT, generated),)))
     conversation, rendered = await renderer.render_conversation(second_conversation())
     assert turns.splice(KEY, conversation, rendered) is None
 
