@@ -41,6 +41,7 @@ class ChatCall:
     session_key: str | None
     conversation: list[dict[str, Any]]
     prompt_ids: list[int]
+    rendered_ids: list[int]  # the template's plain rendering (prompt_ids may carry earlier replies as generated)
     sampling: list[SamplingParams]
     started: float
     created_at: float
@@ -144,11 +145,12 @@ class ChatService:
         """Validate against the model and render the prompt; raises ApiError for a bad request."""
         started = time.perf_counter()
         self.check_model(request.model)
-        conversation, prompt_ids = await self.renderer.render(request.messages)
+        conversation, rendered_ids = await self.renderer.render(request.messages)
         metadata = request.metadata or {}
         session_key = session_header or metadata.get("session_id") or request.user
+        prompt_ids = rendered_ids
         if session_key:
-            spliced = self.turns.splice((identity.tenant_id, session_key), conversation, prompt_ids)
+            spliced = self.turns.splice((identity.tenant_id, session_key), conversation, rendered_ids)
             if spliced is not None and len(spliced) < self.renderer.context_length:
                 prompt_ids = spliced
         max_new = self.renderer.max_new_tokens(len(prompt_ids), request.max_new_tokens)
@@ -174,6 +176,7 @@ class ChatService:
             session_key=session_key,
             conversation=conversation,
             prompt_ids=prompt_ids,
+            rendered_ids=rendered_ids,
             sampling=[SamplingParams(**{**asdict(base), "seed": seed}) for seed in seeds],
             started=started,
             created_at=time.time(),
@@ -363,7 +366,7 @@ class ChatService:
         """Keep the turn so the session's next prompt can carry these replies as generated."""
         if call.session_key:
             replies = tuple(Reply(s.visible_text, array("l", s.token_ids)) for s in call.states)
-            turn = Turn(call.conversation, array("l", call.prompt_ids), replies)
+            turn = Turn(call.conversation, array("l", call.prompt_ids), array("l", call.rendered_ids), replies)
             self.turns.remember((call.identity.tenant_id, call.session_key), turn)
 
     def _record_later(self, call: ChatCall, status: str) -> None:

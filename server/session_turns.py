@@ -29,12 +29,13 @@ class Reply:
 @dataclass(frozen=True, slots=True)
 class Turn:
     conversation: Conversation  # the messages the prompt was rendered from
-    prompt_ids: array
+    prompt_ids: array  # what the engine got (itself spliced when the turn before was)
+    rendered_ids: array  # the template's plain rendering of ``conversation``
     replies: tuple[Reply, ...]  # one per choice
 
     @property
     def tokens(self) -> int:
-        return len(self.prompt_ids) + sum(len(r.token_ids) for r in self.replies)
+        return len(self.prompt_ids) + len(self.rendered_ids) + sum(len(r.token_ids) for r in self.replies)
 
 
 class SessionTurns:
@@ -90,17 +91,17 @@ class SessionTurns:
         if chosen is None or not chosen.token_ids:
             return None
         closed = self._render_closed(conversation[: n + 1])
-        prompt = list(last.prompt_ids)
-        if closed[: len(prompt)] != prompt or rendered[: len(closed)] != closed:
+        before = list(last.rendered_ids)
+        if closed[: len(before)] != before or rendered[: len(closed)] != closed:
             return None  # the template does not render this conversation as a growing prefix
         # The template closes the reply with an end-of-turn token; the model wrote that token itself
         # when it stopped on its own, and not when a length limit cut it.
-        reply_rendered = closed[len(prompt) :]
+        reply_rendered = closed[len(before) :]
         end = next((i for i, token in enumerate(reply_rendered) if token in self._end_ids), None)
         if end is None:
             return None
         closed_by_model = chosen.token_ids[-1] in self._end_ids
         after_reply = reply_rendered[end + 1 if closed_by_model else end :]
-        spliced = [*prompt, *chosen.token_ids, *after_reply, *rendered[len(closed) :]]
+        spliced = [*last.prompt_ids, *chosen.token_ids, *after_reply, *rendered[len(closed) :]]
         # The same text as plain rendering, only tokenised as the model did: else do not use it.
         return spliced if self._decode(spliced) == self._decode(rendered) else None

@@ -84,7 +84,13 @@ def test_four_turns_logged_token_for_token(gateway: Gateway, model_dir: Path) ->
         rendered = tokenizer.apply_chat_template(
             turn["messages"], add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
         )
-        assert view.prompt_token_ids == list(rendered)
+        # The prompt says what the template renders, with earlier replies as the model generated them.
+        assert tokenizer.decode(view.prompt_token_ids) == tokenizer.decode(rendered)
+        if index > 0:
+            earlier = views[index - 1]
+            assert earlier is not None
+            generated = [*earlier.prompt_token_ids, *earlier.choices[0].token_ids]
+            assert view.prompt_token_ids[: len(generated)] == generated
         assert view.prompt_tokens == turn["usage"].prompt_tokens
         assert view.cached_tokens == turn["usage"].prompt_tokens_details.cached_tokens
         assert view.stream == (index % 2 == 1)

@@ -46,7 +46,7 @@ def char_level_reply(tokenizer: PreTrainedTokenizerBase, text: str, *, end: bool
 async def first_turn(renderer: PromptRenderer, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> Turn:
     conversation, prompt = await renderer.render_conversation(FIRST)
     generated = char_level_reply(tokenizer, REPLY_TEXT, **kwargs)
-    return Turn(conversation, array("l", prompt), (Reply(REPLY_TEXT, generated),))
+    return Turn(conversation, array("l", prompt), array("l", prompt), (Reply(REPLY_TEXT, generated),))
 
 
 def second_conversation(reply: str = REPLY_TEXT) -> list[dict[str, Any]]:
@@ -107,7 +107,7 @@ async def test_a_reply_cut_by_a_stop_string_renders_plainly(
     turns = turns_for(renderer, tokenizer)
     conversation, prompt = await renderer.render_conversation(FIRST)
     generated = char_level_reply(tokenizer, REPLY_TEXT + " STOP and more", end=False)  # the client saw less
-    turns.remember(KEY, Turn(conversation, array("l", prompt), (Reply(REPLY_TEXT, generated),)))
+    turns.remember(KEY, Turn(conversation, array("l", prompt), array("l", prompt), (Reply(REPLY_TEXT, generated),)))
     conversation, rendered = await renderer.render_conversation(second_conversation())
     assert turns.splice(KEY, conversation, rendered) is None
 
