@@ -1,0 +1,135 @@
+"""Export a trained model as a Hugging Face safetensors folder that serving engines load as is.
+
+The folder appears whole or not at all: it is written under a hidden temporary name next to the
+destination and renamed at the end (atomic on one filesystem), so an engine told to load it never
+sees half a checkpoint. Its sha256 covers the weight files only, in name order, so it identifies the
+weights whatever the config or tokenizer files hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+__all__ = ["CheckpointError", "ExportResult", "checkpoint_dtype", "export_checkpoint", "weights_sha256"]
+
+# What a tokenizer can be made of; config and weights come from the model itself.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be exported (destination taken, no tokenizer to copy)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    """Where the checkpoint is and the sha256 of its weight files."""
+
+    path: Path
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 over every ``*.safetensors`` file of ``path`` in name order, each as its name then its bytes."""
+    digest = hashlib.sha256()
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype a checkpoint folder declares in its ``config.json`` (float32 when it says nothing)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{path}: config.json names an unknown dtype {name!r}")
+    return dtype
+
+
+def _fsync_tree(root: Path) -> None:
+    for file in sorted(root.iterdir()):
+        with file.open("rb") as handle:
+            os.fsync(handle.fileno())
+    descriptor = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def export_checkpoint(
+    model: PreTrainedModel,
+    tokenizer_source_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+) -> ExportResult:
+    """Write ``model`` to the new folder ``out_dir``: config, safetensors weights, the source's tokenizer.
+
+    Args:
+        model: the trained model (left unchanged, whatever dtype it trains in).
+        tokenizer_source_dir: the base checkpoint folder; its tokenizer files are copied.
+        out_dir: must not exist yet; its parent is created.
+        dtype: the weights' dtype on disk, normally the base checkpoint's (``checkpoint_dtype``);
+            None keeps the model's.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists, or the source folder holds no tokenizer file.
+    """
+    out_dir, source = Path(out_dir), Path(tokenizer_source_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} exists: checkpoints are never overwritten")
+    tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not tokenizer_files:
+        raise CheckpointError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    dtype = dtype or model.dtype
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        state = {name: tensor.detach().to(device="cpu", dtype=dtype) for name, tensor in model.state_dict().items()}
+        model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        config_path = staging / "config.json"
+        config = json.loads(config_path.read_text())
+        # The config describes the model as it trains; the files hold ``dtype`` (older readers, SGLang's
+        # among them, look for ``torch_dtype``).
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for file in tokenizer_files:
+            shutil.copy2(file, staging / file.name)
+        _fsync_tree(staging)
+        sha256 = weights_sha256(staging)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(path=out_dir, sha256=sha256)

@@ -1,0 +1,254 @@
+"""Training in a child process: a crash, OOM kill, hang or NaN there fails the run and nothing else.
+
+The parent writes a ``TrainingRequest`` as JSON into a scratch folder and runs
+``python -m learner.trainers.child REQUEST``; the child loads the base checkpoint, trains, exports and
+writes ``outcome.json`` next to the request. The parent trusts only that file: a child killed by a
+signal, exiting non-zero, or out of time never wrote one, and its stderr tail becomes the error.
+Serving state is never touched from here: the checkpoint is a new folder the caller may roll out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+
+from learner.algorithms import PolicyLossConfig
+from learner.sample import Sample
+from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
+from learner.trainers.torch_backend import TrainConfig, TrainingDiverged, response_log_probs, train_step
+
+__all__ = ["DebugFault", "FailureKind", "TrainingOutcome", "TrainingRequest", "run_training_child"]
+
+DebugFault = Literal["exit", "hang"]
+FailureKind = Literal["diverged", "error", "crashed", "timeout"]
+DEBUG_EXIT_CODE = 3
+_STDERR_TAIL = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingRequest:
+    """One training run: base checkpoint in, new checkpoint folder out.
+
+    ``debug_fault`` makes the child fail on purpose once the model is loaded, to test failure
+    handling end to end: ``"exit"`` ends it with ``os._exit(3)`` (a hard crash, like an OOM kill, with
+    no Python cleanup and no outcome), ``"hang"`` sleeps until the timeout.
+    """
+
+    base_model_dir: Path
+    out_dir: Path  # the checkpoint folder to create; must not exist
+    samples: tuple[Sample, ...]
+    config: TrainConfig = field(default_factory=TrainConfig)
+    num_steps: int = 1  # optimizer steps over the same samples (slime's --num-steps-per-rollout)
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = None  # torch CPU threads in the child; None: torch's default
+    timeout_s: float = 3600.0
+    debug_fault: DebugFault | None = None
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not self.samples:
+            errors.append("no samples to train on")
+        if self.num_steps < 1:
+            errors.append(f"num_steps must be >= 1, got {self.num_steps}")
+        if not self.learning_rate > 0 or self.weight_decay < 0:
+            errors.append("learning_rate must be > 0 and weight_decay >= 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            errors.append(f"num_threads must be >= 1, got {self.num_threads}")
+        if not self.timeout_s > 0:
+            errors.append(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.debug_fault is not None and self.debug_fault not in get_args(DebugFault):
+            errors.append(f"debug_fault must be one of {get_args(DebugFault)}, got {self.debug_fault!r}")
+        if errors:
+            raise ValueError("invalid training request: " + "; ".join(errors))
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(
+            base_model_dir=str(self.base_model_dir),
+            out_dir=str(self.out_dir),
+            samples=[s.to_dict() for s in self.samples],
+            config=dataclasses.asdict(self.config),
+        )
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingRequest:
+        data = json.loads(text)
+        config = dict(data["config"])
+        config["loss"] = PolicyLossConfig(**config["loss"])
+        data.update(
+            base_model_dir=Path(data["base_model_dir"]),
+            out_dir=Path(data["out_dir"]),
+            samples=tuple(Sample.from_dict(s) for s in data["samples"]),
+            config=TrainConfig(**config),
+        )
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingOutcome:
+    """What a run gave: a checkpoint and per-step metrics, or why it failed (``failure``, ``error``)."""
+
+    status: Literal["succeeded", "failed"]
+    checkpoint: ExportResult | None = None
+    metrics: tuple[dict[str, float], ...] = ()  # one dict per optimizer step, in order
+    error: str | None = None
+    failure: FailureKind | None = None
+
+    def __post_init__(self) -> None:
+        if self.status == "succeeded" and (self.checkpoint is None or self.error is not None):
+            raise ValueError("a succeeded run has a checkpoint and no error")
+        if self.status == "failed" and (self.checkpoint is not None or self.error is None or self.failure is None):
+            raise ValueError("a failed run has an error and a failure kind, and no checkpoint")
+        if self.status not in ("succeeded", "failed"):
+            raise ValueError(f"unknown status {self.status!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        checkpoint = (
+            None if self.checkpoint is None else {"path": str(self.checkpoint.path), "sha256": self.checkpoint.sha256}
+        )
+        return {
+            "status": self.status,
+            "checkpoint": checkpoint,
+            "metrics": list(self.metrics),
+            "error": self.error,
+            "failure": self.failure,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainingOutcome:
+        checkpoint = data["checkpoint"]
+        return cls(
+            status=data["status"],
+            checkpoint=None if checkpoint is None else ExportResult(Path(checkpoint["path"]), checkpoint["sha256"]),
+            metrics=tuple(data["metrics"]),
+            error=data["error"],
+            failure=data["failure"],
+        )
+
+
+# parent side
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"the training process was killed by {signal.Signals(-returncode).name}"
+    return f"the training process exited with code {returncode} without reporting an outcome"
+
+
+def _tail(path: Path) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-_STDERR_TAIL:].strip()
+
+
+def run_training_child(request: TrainingRequest) -> TrainingOutcome:
+    """Run ``request`` in a fresh Python process and report how it went; never raises for a failed run."""
+    scratch = Path(tempfile.mkdtemp(prefix="tandem-train-"))
+    try:
+        request_path, stderr_path = scratch / "request.json", scratch / "stderr.log"
+        request_path.write_text(request.to_json())
+        with stderr_path.open("wb") as stderr:
+            try:
+                completed = subprocess.run(
+                    [sys.executable, "-m", "learner.trainers.child", str(request_path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=stderr,
+                    stderr=stderr,
+                    timeout=request.timeout_s,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:  # subprocess.run has killed the child
+                return TrainingOutcome(
+                    "failed", error=f"training exceeded its {request.timeout_s:g} s timeout", failure="timeout"
+                )
+        outcome_path = scratch / "outcome.json"
+        if completed.returncode != 0 or not outcome_path.exists():
+            detail = _tail(stderr_path)
+            error = _describe_exit(completed.returncode) + (f"; stderr:\n{detail}" if detail else "")
+            return TrainingOutcome("failed", error=error, failure="crashed")
+        return TrainingOutcome.from_dict(json.loads(outcome_path.read_text()))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# child side
+
+
+def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportResult:
+    from transformers import AutoModelForCausalLM  # the parent never needs it
+
+    torch.manual_seed(request.seed)
+    if request.num_threads is not None:
+        torch.set_num_threads(request.num_threads)
+
+    def load() -> torch.nn.Module:
+        # Trained in float32 whatever the checkpoint holds: bf16 updates of size lr * grad round to 0.
+        model = AutoModelForCausalLM.from_pretrained(request.base_model_dir, dtype=torch.float32)
+        return model.to(request.device)
+
+    model = load()
+    if request.debug_fault == "exit":
+        os._exit(DEBUG_EXIT_CODE)
+    if request.debug_fault == "hang":
+        time.sleep(request.timeout_s + 3600)
+    ref_model = None
+    if request.config.loss.kl_loss_coef != 0:
+        ref_model = load().eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=request.learning_rate, weight_decay=request.weight_decay)
+    samples = list(request.samples)
+    old_log_probs = None
+    if request.num_steps > 1 and not request.config.use_rollout_logprobs:
+        # PPO's ratio is against the policy before this rollout's first step, for every step.
+        old_log_probs = response_log_probs(model, samples, request.config.max_tokens_per_micro_batch)
+    for _ in range(request.num_steps):
+        metrics.append(
+            train_step(model, optimizer, samples, request.config, ref_model=ref_model, old_log_probs=old_log_probs)
+        )
+    return export_checkpoint(
+        model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
+    )
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        sys.stderr.write("usage: python -m learner.trainers.child REQUEST.json\n")
+        return 2
+    request_path = Path(argv[1])
+    request = TrainingRequest.from_json(request_path.read_text())
+    metrics: list[dict[str, float]] = []
+    try:
+        outcome = TrainingOutcome("succeeded", checkpoint=_train(request, metrics), metrics=tuple(metrics))
+    except TrainingDiverged as exc:
+        outcome = TrainingOutcome(
+            "failed", metrics=tuple(metrics), error=f"TrainingDiverged: {exc}", failure="diverged"
+        )
+    except Exception as exc:
+        detail = "".join(traceback.format_exception(exc))
+        outcome = TrainingOutcome(
+            "failed", metrics=tuple(metrics), error=f"{type(exc).__name__}: {exc}\n{detail}", failure="error"
+        )
+    # Written then renamed: the parent never reads half an outcome.
+    partial = request_path.with_name("outcome.json.partial")
+    partial.write_text(json.dumps(outcome.to_dict()))
+    os.replace(partial, request_path.with_name("outcome.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,274 @@
+"""The torch training backend: log-probs of packed micro-batches and one GRPO/PPO optimizer step.
+
+Works on any causal LM from transformers (CPU or GPU). Losses come from ``learner.algorithms`` (the
+Megatron backend shares them), micro-batches from ``learner.batching``. One ``train_step`` is one
+optimizer step over all the given samples; micro-batches only bound memory: every micro-batch loss is
+reduced with the whole step's sample and token counts, so the accumulated gradient equals the one big
+batch's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from learner.algorithms import (
+    PolicyLossConfig,
+    broadcast_to_tokens,
+    entropy_from_logits,
+    grpo_advantages,
+    policy_loss_function,
+    reinforce_plus_plus_baseline_advantages,
+)
+from learner.batching import PackedMicroBatch, block_causal_mask, collate_micro_batch, pack_samples, training_loss_mask
+from learner.sample import Sample
+
+__all__ = [
+    "AdvantageEstimator",
+    "TrainConfig",
+    "TrainingDiverged",
+    "compute_advantages",
+    "compute_log_probs",
+    "compute_log_probs_and_entropy",
+    "response_log_probs",
+    "train_step",
+]
+
+AdvantageEstimator = Literal["grpo", "reinforce_plus_plus_baseline"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss, gradient or weight: the step is refused and the model must not be exported."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """One training step's knobs (slime's flag names where they exist).
+
+    ``use_rollout_logprobs``: the PPO ratio's old log-probs are the behaviour log-probs logged at
+    serving time instead of the trainer's own (slime's ``--use-rollout-logprobs``; not with TIS).
+    """
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage_estimator: AdvantageEstimator = "grpo"
+    grpo_std_normalization: bool = True
+    reward_key: str | None = None
+    max_tokens_per_micro_batch: int = 4096
+    clip_grad: float | None = 1.0  # slime's --clip-grad; None: no clipping (the norm is still reported)
+    use_rollout_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.advantage_estimator not in get_args(AdvantageEstimator):
+            errors.append(f"advantage_estimator must be one of {get_args(AdvantageEstimator)}")
+        if self.max_tokens_per_micro_batch < 1:
+            errors.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            errors.append(f"clip_grad must be > 0 or None, got {self.clip_grad}")
+        if self.use_rollout_logprobs and self.loss.use_tis:
+            errors.append("use_rollout_logprobs and use_tis exclude each other (TIS corrects the trainer's log-probs)")
+        if errors:
+            raise ValueError("invalid train config: " + "; ".join(errors))
+
+
+# log-probs
+
+
+def _forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
+    """``[T, V]`` logits of the packed row, each sample attending only to itself."""
+    device = next(model.parameters()).device
+    ids, positions = batch.input_ids.to(device), batch.position_ids.to(device)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        # SDPA takes a boolean 4-D mask as is: one forward for the whole row.
+        mask = block_causal_mask(batch.cu_seqlens.to(device))[None, None]
+        return model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask).logits[0]
+    # Eager attention adds the mask to the scores (a bool mask would be wrong): one sample at a time.
+    bounds = batch.cu_seqlens.tolist()
+    return torch.cat(
+        [
+            model(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0]
+            for a, b in itertools.pairwise(bounds)
+        ]
+    )
+
+
+def _shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Move per-position values one step right (the logits at t - 1 predict token t); 0 at sample starts."""
+    out = torch.cat([values.new_zeros(1), values[:-1]])
+    starts = cu_seqlens[:-1].long().to(values.device)
+    return out.index_fill(0, starts, 0.0)
+
+
+def _token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
+    targets = batch.input_ids.to(logits.device).roll(-1)  # position t scores token t + 1
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    return _shifted(log_probs, batch.cu_seqlens)
+
+
+def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
+    """``[T]`` float32: ``log p(input_ids[t] | the sample's tokens before t)``, 0 at each sample's first token.
+
+    Aligned with ``batch.loss_mask``, so the response tokens are where the mask is set.
+    """
+    return _token_log_probs(_forward_logits(model, batch), batch)
+
+
+def compute_log_probs_and_entropy(model: nn.Module, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+    """``compute_log_probs`` and the ``[T]`` entropy of the distribution each token was drawn from."""
+    logits = _forward_logits(model, batch)
+    return _token_log_probs(logits, batch), _shifted(entropy_from_logits(logits), batch.cu_seqlens)
+
+
+@torch.no_grad()
+def response_log_probs(model: nn.Module, samples: Sequence[Sample], max_tokens_per_micro_batch: int) -> list[Tensor]:
+    """Each sample's ``[response_length]`` log-probs under ``model`` (no gradient), e.g. PPO's old log-probs
+    computed once before several optimizer steps on the same samples."""
+    result: list[Tensor | None] = [None] * len(samples)
+    for micro_batch in pack_samples(samples, max_tokens_per_micro_batch):
+        log_probs = compute_log_probs(model, collate_micro_batch(samples, micro_batch)).cpu()
+        for index, (start, end) in zip(micro_batch.sample_indices, micro_batch.bounds(), strict=True):
+            result[index] = log_probs[start + samples[index].prompt_length : end]
+    return [r for r in result if r is not None]
+
+
+# one step
+
+
+def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor:
+    """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its own)."""
+    rewards = torch.tensor([s.reward_value(config.reward_key) for s in samples], dtype=torch.float32)
+    groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
+    if config.advantage_estimator == "grpo":
+        return grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
+    counts = torch.tensor([sum(training_loss_mask(s)) for s in samples], dtype=torch.float32)
+    return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=counts)
+
+
+def _packed_response_values(
+    samples: Sequence[Sample],
+    batch: PackedMicroBatch,
+    values: Sequence[Tensor | Sequence[float]] | None,
+    device: torch.device,
+) -> Tensor | None:
+    """Per-sample response values (``values[i]`` for ``samples[i]``) laid out on the packed row, 0 on prompts."""
+    if values is None:
+        return None
+    parts = []
+    for index in batch.sample_indices:
+        sample = samples[index]
+        parts += [torch.zeros(sample.prompt_length), torch.as_tensor(values[index], dtype=torch.float32)]
+    return torch.cat(parts).to(device)
+
+
+def _refuse_if_not_finite(what: str, value: Tensor | float, optimizer: torch.optim.Optimizer) -> None:
+    number = float(value.detach()) if isinstance(value, Tensor) else value
+    if not math.isfinite(number):
+        optimizer.zero_grad(set_to_none=True)  # a later step must not apply these gradients
+        raise TrainingDiverged(f"{what} is {number}: step refused, weights left as they were")
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    config: TrainConfig,
+    *,
+    ref_model: nn.Module | None = None,
+    old_log_probs: Sequence[Tensor] | None = None,
+    advantages: Tensor | None = None,
+) -> dict[str, float]:
+    """One optimizer step of the policy loss over ``samples`` (token-capped micro-batches, accumulated).
+
+    Args:
+        model: the policy, trainable.
+        optimizer: over ``model``'s parameters.
+        samples: scored samples; removed ones (``remove``) are kept in the denominators but train nothing.
+        config: the step's knobs.
+        ref_model: frozen reference policy, required when ``config.loss.kl_loss_coef > 0``.
+        old_log_probs: per-sample response log-probs before this rollout's first step
+            (``response_log_probs``); None: the behaviour log-probs with ``use_rollout_logprobs``, else
+            the current ones (on-policy, ratio 1).
+        advantages: ``[N]`` per-sample advantages; None: ``compute_advantages`` from the rewards.
+
+    Returns:
+        slime's ``train/`` metrics (loss, pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss, tis...,
+        grad_norm) and ``perf/tokens_per_sec``.
+
+    Raises:
+        TrainingDiverged: a non-finite loss or gradient norm (the optimizer is not stepped), or a
+            non-finite weight after the step.
+        ValueError: a missing reference model or behaviour log-probs the config needs.
+    """
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    loss_config = config.loss
+    if loss_config.kl_loss_coef != 0 and ref_model is None:
+        raise ValueError("kl_loss_coef != 0 needs a ref_model")
+    needs_behaviour = loss_config.use_tis or (config.use_rollout_logprobs and old_log_probs is None)
+    if needs_behaviour and any(s.rollout_log_probs is None for s in samples):
+        raise ValueError("use_tis / use_rollout_logprobs need rollout_log_probs on every sample")
+    if advantages is None:
+        advantages = compute_advantages(samples, config)
+    if advantages.shape != (len(samples),):
+        raise ValueError(f"advantages must have shape ({len(samples)},), got {tuple(advantages.shape)}")
+    if old_log_probs is None and config.use_rollout_logprobs:
+        old_log_probs = [torch.tensor(s.rollout_log_probs) for s in samples]
+    behaviour = [s.rollout_log_probs for s in samples] if loss_config.use_tis else None
+
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    num_tokens = sum(sum(training_loss_mask(s)) for s in samples)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {}
+    for micro_batch in pack_samples(samples, config.max_tokens_per_micro_batch):
+        batch = collate_micro_batch(samples, micro_batch)
+        cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
+        if loss_config.entropy_coef != 0:
+            log_probs, entropy = compute_log_probs_and_entropy(model, batch)
+        else:
+            log_probs, entropy = compute_log_probs(model, batch), None
+        ref_log_probs = None
+        if ref_model is not None and loss_config.kl_loss_coef != 0:
+            with torch.no_grad():
+                ref_log_probs = compute_log_probs(ref_model, batch)
+
+        result = policy_loss_function(
+            loss_config,
+            log_probs,
+            broadcast_to_tokens(advantages[list(batch.sample_indices)].to(device), loss_mask, cu_seqlens),
+            loss_mask,
+            old_log_probs=_packed_response_values(samples, batch, old_log_probs, device),
+            ref_log_probs=ref_log_probs,
+            rollout_log_probs=_packed_response_values(samples, batch, behaviour, device),
+            entropy=entropy,
+            num_samples=len(samples),
+            num_tokens=num_tokens,
+            cu_seqlens=cu_seqlens,
+        )
+        _refuse_if_not_finite("loss", result.loss, optimizer)
+        result.loss.backward()
+        # Every part is reduced over the whole step's counts, so micro-batch values add up to the step's.
+        for name, value in result.metrics().items():
+            totals[name] = totals.get(name, 0.0) + value
+
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    max_norm = config.clip_grad if config.clip_grad is not None else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    _refuse_if_not_finite("grad_norm", grad_norm, optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        # An enormous learning rate can overflow weights from finite gradients.
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise TrainingDiverged("a weight became non-finite in the optimizer step")
+    elapsed = time.perf_counter() - started
+    tokens = sum(s.total_length for s in samples)
+    return {**totals, "grad_norm": grad_norm, "perf/tokens_per_sec": tokens / max(elapsed, 1e-9)}
