@@ -7,7 +7,10 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
+    CheckConstraint,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
@@ -18,6 +21,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql import text
 
 from storage.times import UTCDateTime, utcnow
 
@@ -163,3 +167,107 @@ class FeedbackEvent(Base):
     comment: Mapped[str | None] = mapped_column(Text)
     corrected_answer: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime]
+
+
+# A 64-bit sequence on PostgreSQL; SQLite only auto-assigns an "INTEGER PRIMARY KEY".
+SequenceInt = BigInteger().with_variant(Integer(), "sqlite")
+
+VERSION_STATUSES = ("candidate", "serving", "retired", "rejected")
+ROUND_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+ROUND_TRIGGERS = ("schedule", "manual")
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class FeedbackChange(Base):
+    """One rating change, numbered by the database (a trigger on ``feedback``): the learner's watermark.
+
+    See ``storage.learning`` for why a database sequence and not a timestamp.
+    """
+
+    __tablename__ = "feedback_changes"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["completion_id", "choice_index"],
+            ["feedback.completion_id", "feedback.choice_index"],
+            name="fk_feedback_changes_feedback",
+            ondelete="CASCADE",
+        ),
+        Index("ix_feedback_changes_completion_id_choice_index", "completion_id", "choice_index"),
+        {"sqlite_autoincrement": True},  # never reuse a number, even after deletions
+    )
+
+    seq: Mapped[int] = mapped_column(SequenceInt, primary_key=True, autoincrement=True)
+    completion_id: Mapped[str] = mapped_column(String(64))
+    choice_index: Mapped[int]
+    revision: Mapped[int]
+
+
+class ModelVersion(Base):
+    """A set of weights a model can serve; at most one ``serving`` version per model."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", VERSION_STATUSES), name="status"),
+        Index("ix_model_versions_model_created_at", "model", "created_at"),
+        Index(
+            "uq_model_versions_model_serving",
+            "model",
+            unique=True,
+            postgresql_where=text("status = 'serving'"),
+            sqlite_where=text("status = 'serving'"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
+    checkpoint_path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    watermark: Mapped[int | None] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, Any]]
+    evaluation: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    promoted_at: Mapped[datetime | None]
+    retired_at: Mapped[datetime | None]
+
+
+class TrainingRound(Base):
+    """One learner round; at most one ``running`` round per model (the per-model round lock)."""
+
+    __tablename__ = "training_rounds"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", ROUND_STATUSES), name="status"),
+        CheckConstraint(_one_of("trigger", ROUND_TRIGGERS), name="trigger"),
+        Index("ix_training_rounds_model_created_at", "model", "created_at"),
+        Index(
+            "uq_training_rounds_model_running",
+            "model",
+            unique=True,
+            postgresql_where=text("status = 'running'"),
+            sqlite_where=text("status = 'running'"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    trigger: Mapped[str] = mapped_column(String(16))
+    base_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
+    produced_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
+    watermark_from: Mapped[int | None] = mapped_column(BigInteger)
+    watermark_to: Mapped[int | None] = mapped_column(BigInteger)
+    samples_collected: Mapped[int | None]
+    samples_trained: Mapped[int | None]
+    config: Mapped[dict[str, Any]]
+    metrics: Mapped[dict[str, Any]]
+    error: Mapped[str | None] = mapped_column(Text)
+    worker_id: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]
