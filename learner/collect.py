@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from learner.sample import Sample, SampleStatus
-from storage.learning import FeedbackItem
+from storage.feedback_collect import FeedbackItem
 
 __all__ = ["feedback_sample", "feedback_samples"]
 

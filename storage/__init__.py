@@ -18,28 +18,26 @@ from storage.completions import (
 )
 from storage.conversation_writes import WriteResult, write_records
 from storage.db import make_engine, make_session_factory
-from storage.learning import (
-    FeedbackBatch,
-    FeedbackItem,
-    LearningStateError,
+from storage.feedback_collect import FeedbackBatch, FeedbackItem, collect_feedback
+from storage.learning_errors import LearningStateError, NotFoundError, RoundBusyError
+from storage.model_versions import (
     ModelVersionView,
-    NotFoundError,
-    RoundBusyError,
-    TrainingRoundView,
-    cancel_round,
-    collect_feedback,
-    fail_stale_rounds,
-    finish_round,
-    get_round,
     get_version,
-    heartbeat_round,
-    last_watermark,
-    list_rounds,
     list_versions,
-    queue_round,
     record_model_version,
     serving_version,
     set_version_status,
+)
+from storage.rounds import (
+    TrainingRoundView,
+    cancel_round,
+    fail_stale_rounds,
+    finish_round,
+    get_round,
+    heartbeat_round,
+    last_watermark,
+    list_rounds,
+    queue_round,
     start_round,
 )
 from storage.tenants import DEFAULT_TENANT_ID, ensure_tenant

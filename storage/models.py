@@ -184,7 +184,7 @@ def _one_of(column: str, values: tuple[str, ...]) -> str:
 class FeedbackChange(Base):
     """One rating change, numbered by the database (a trigger on ``feedback``): the learner's watermark.
 
-    See ``storage.learning`` for why a database sequence and not a timestamp.
+    See ``storage.feedback_collect`` for why a database sequence and not a timestamp.
     """
 
     __tablename__ = "feedback_changes"

@@ -13,9 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from learner.collect import feedback_samples
 from learner.sample import SampleStatus
-from storage.conversation_writes import write_records
-from storage.db import make_engine, make_session_factory
-from storage.learning import (
+from storage import (
     FeedbackBatch,
     LearningStateError,
     NotFoundError,
@@ -35,6 +33,8 @@ from storage.learning import (
     set_version_status,
     start_round,
 )
+from storage.conversation_writes import write_records
+from storage.db import make_engine, make_session_factory
 from storage.migrate import upgrade
 from storage.models import ModelVersion
 from storage.records import CompletionRecord, FeedbackRecord
