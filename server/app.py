@@ -20,6 +20,7 @@ from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
 from server.routes import router
+from server.weights import WeightService
 from storage.api_keys import count_active_api_keys
 from storage.db import make_engine, make_session_factory
 from storage.migrate import upgrade
@@ -109,6 +110,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             stack.push_async_callback(chat.close)
             app.state.chat = chat
             app.state.completions = CompletionService(conversation_log, sessions)
+            app.state.weights = WeightService(serving, sessions)
             app.state.auth = Authenticator(
                 sessions,
                 admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from tandem.commands.db import db_app
 from tandem.commands.engines import engines_app
 from tandem.commands.keys import keys_app
+from tandem.commands.learn import learn_command
 from tandem.logging import configure_logging
 from tandem.settings import Settings
 
@@ -19,6 +20,7 @@ app = typer.Typer(help="tandem: LLM serving that learns from its own traffic.", 
 app.add_typer(db_app, name="db", help="Database schema migrations.")
 app.add_typer(keys_app, name="keys", help="Tenant API keys.")
 app.add_typer(engines_app, name="engines", help="Managed engine groups: validate a config and show launch commands.")
+app.command("learn")(learn_command)
 
 Host = Annotated[str | None, typer.Option(help="Address to bind [TANDEM_HOST].")]
 Port = Annotated[int | None, typer.Option(help="Port to bind [TANDEM_PORT].")]

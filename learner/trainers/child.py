@@ -59,11 +59,15 @@ class TrainingRequest:
     num_threads: int | None = None  # torch CPU threads in the child; None: torch's default
     timeout_s: float = 3600.0
     debug_fault: DebugFault | None = None
+    # One per sample, computed by the caller (e.g. reward minus a feedback baseline); None: from the rewards.
+    advantages: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         errors = []
         if not self.samples:
             errors.append("no samples to train on")
+        if self.advantages is not None and len(self.advantages) != len(self.samples):
+            errors.append(f"{len(self.advantages)} advantages for {len(self.samples)} samples")
         if self.num_steps < 1:
             errors.append(f"num_steps must be >= 1, got {self.num_steps}")
         if not self.learning_rate > 0 or self.weight_decay < 0:
@@ -97,6 +101,7 @@ class TrainingRequest:
             out_dir=Path(data["out_dir"]),
             samples=tuple(Sample.from_dict(s) for s in data["samples"]),
             config=TrainConfig(**config),
+            advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
         )
         return cls(**data)
 
@@ -212,13 +217,22 @@ def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportR
         ref_model = load().eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=request.learning_rate, weight_decay=request.weight_decay)
     samples = list(request.samples)
+    advantages = None if request.advantages is None else torch.tensor(request.advantages, dtype=torch.float32)
     old_log_probs = None
     if request.num_steps > 1 and not request.config.use_rollout_logprobs:
         # PPO's ratio is against the policy before this rollout's first step, for every step.
         old_log_probs = response_log_probs(model, samples, request.config.max_tokens_per_micro_batch)
     for _ in range(request.num_steps):
         metrics.append(
-            train_step(model, optimizer, samples, request.config, ref_model=ref_model, old_log_probs=old_log_probs)
+            train_step(
+                model,
+                optimizer,
+                samples,
+                request.config,
+                ref_model=ref_model,
+                old_log_probs=old_log_probs,
+                advantages=advantages,
+            )
         )
     return export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.routes import chat, completions, health, models
+from server.routes import admin_weights, chat, completions, health, models
 
 __all__ = ["router"]
 
 router = APIRouter()
-for module in (chat, models, completions, health):
+for module in (chat, models, completions, health, admin_weights):
     router.include_router(module.router)

@@ -11,8 +11,11 @@ import orjson
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
+from server.auth import CurrentIdentity, Identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
+from server.errors import ApiError
+from server.weights import WeightService
 
 
 async def _chat(request: Request) -> ChatService:
@@ -21,6 +24,16 @@ async def _chat(request: Request) -> ChatService:
 
 async def _completions(request: Request) -> CompletionService:
     return request.app.state.completions
+
+
+async def _weights(request: Request) -> WeightService:
+    return request.app.state.weights
+
+
+async def _admin(identity: CurrentIdentity) -> Identity:
+    if not identity.admin:
+        raise ApiError(403, "This endpoint needs the admin key (TANDEM_ADMIN_KEY).", code="admin_required")
+    return identity
 
 
 async def log_fields(request: Request) -> dict[str, Any]:
@@ -32,6 +45,8 @@ async def log_fields(request: Request) -> dict[str, Any]:
 
 ChatDep = Annotated[ChatService, Depends(_chat)]
 CompletionsDep = Annotated[CompletionService, Depends(_completions)]
+WeightsDep = Annotated[WeightService, Depends(_weights)]
+AdminDep = Annotated[Identity, Depends(_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 
 

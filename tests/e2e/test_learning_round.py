@@ -1,0 +1,231 @@
+"""One learning round end to end: chat and rate through the SDK, learn, and serve the new version.
+
+A real gateway (in-thread uvicorn, the local engine on the tiny model, SQLite, an admin key), real
+training in a child process, and the rollout through ``POST /admin/weights``; streaming clients keep
+the gateway busy while the round runs and every one of their requests must complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from learner.round import RoundConfig, RoundResult, run_round
+from storage import get_round, get_version, list_versions, serving_version
+from tandem.cli import app
+from tests.fixtures.tiny_model import tiny_model_path
+from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+LEARNING_RATE = 1e-2  # the tiny model is stored in bf16: smaller updates round away on export
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    torch.set_num_threads(1)
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="module")
+def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    settings = gateway_settings(tmp_path_factory.mktemp("learn"), model_dir, admin_key=ADMIN_KEY)
+    with run_gateway(settings, tenants=("e2e",)) as gw:
+        yield gw
+
+
+def round_config(gateway: Gateway, tmp_path: Path, **overrides: Any) -> RoundConfig:
+    values: dict[str, Any] = {
+        "server_url": gateway.url,
+        "admin_key": ADMIN_KEY,
+        "database_url": gateway.settings.resolved_database_url,
+        "checkpoint_dir": tmp_path / "checkpoints",
+        "learning_rate": LEARNING_RATE,
+        "num_threads": 1,
+        **overrides,
+    }
+    return RoundConfig(**values)
+
+
+def chat_and_rate(gateway: Gateway, ratings: list[tuple[str, str]]) -> list[str]:
+    """One single-turn chat per (question, rating), rated through /v1/feedback; the ids, in order."""
+    client = gateway.client(gateway.keys["e2e"])
+    ids = []
+    for seed, (question, rating) in enumerate(ratings):
+        reply = client.chat.completions.create(
+            model=gateway.model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0.9,
+            seed=seed,
+        )
+        client.post("/feedback", body={"completion_id": reply.id, "rating": rating}, cast_to=object)
+        ids.append(reply.id)
+    # Reading one back through the API flushes the conversation log: the database has the ratings.
+    client.get(f"/completions/{ids[-1]}", cast_to=object)
+    return ids
+
+
+def serving(gateway: Gateway) -> dict[str, Any]:
+    response = httpx.get(f"{gateway.url}/admin/weights", headers=ADMIN)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+class StreamingLoad:
+    """Streaming clients looping until stopped; counts completed and failed requests."""
+
+    def __init__(self, client: OpenAI, model: str, clients: int = 3) -> None:
+        self.client, self.model = client, model
+        self.completed, self.failures = 0, []
+        self.fingerprints: set[str] = set()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def _loop(self, worker: int) -> None:
+        while not self._stop.is_set():
+            try:
+                stream = self.client.chat.completions.create(
+                    model=self.model,
+                    messages=[{"role": "user", "content": f"count to ten, client {worker}"}],
+                    max_tokens=16,
+                    stream=True,
+                )
+                chunks = list(stream)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                if finish not in (["stop"], ["length"]):
+                    raise AssertionError(f"stream ended without a finish reason: {finish}")
+                with self._lock:
+                    self.completed += 1
+                    self.fingerprints.update(c.system_fingerprint for c in chunks if c.system_fingerprint)
+            except Exception as exc:  # every failure is counted, none may happen
+                with self._lock:
+                    self.failures.append(repr(exc))
+
+    def __enter__(self) -> StreamingLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # A few more requests first, so the load covers the new version too.
+        target = self.completed + len(self._threads)
+        while self.completed < target and not self.failures and any(t.is_alive() for t in self._threads):
+            self._stop.wait(0.05)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
+def test_round_learns_and_swaps_without_a_failed_request(gateway: Gateway, model_dir: Path, tmp_path: Path) -> None:
+    chat_and_rate(
+        gateway,
+        [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Name a colour.", "down"), ("Say hi.", "up")],
+    )
+    before = serving(gateway)
+    stages: list[tuple[str, float | None]] = []
+    with StreamingLoad(gateway.client(gateway.keys["e2e"]), gateway.model) as load:
+        result = run_round(round_config(gateway, tmp_path), on_stage=lambda *event: stages.append(event))
+    assert result.status == "succeeded", result.error
+    assert load.failures == [] and load.completed > 0
+    assert {"default", result.version_id} <= load.fingerprints
+    assert result.samples == 4 and result.reward_mean == 0.0
+    assert set(result.seconds) == {"collect", "reward", "train", "export", "swap"}
+    assert [s for s, seconds in stages if seconds is None] == ["collect", "reward", "train", "export", "swap"]
+    assert result.parent_version_id is None and before["weight_version"] == "default"
+
+    version = result.version_id
+    assert version is not None
+    with gateway.sessions()() as session:
+        row = get_version(session, version_id=version)
+        assert serving_version(session, model=gateway.model) == row
+        assert row.status == "serving" and row.watermark == result.watermark_to and row.sha256
+        assert row.metrics["reward_count"] == 4 and "loss" in row.metrics and "grad_norm" in row.metrics
+        round_row = get_round(session, round_id=result.round_id)
+    assert round_row.status == "succeeded" and round_row.produced_version_id == version
+    assert round_row.watermark_from == 0 and round_row.watermark_to == result.watermark_to > 0
+    assert round_row.samples_trained == 4
+
+    now = serving(gateway)
+    assert now["weight_version"] == version and now["version"]["id"] == version
+    assert Path(now["model_path"]) == Path(row.checkpoint_path)
+    client = gateway.client(gateway.keys["e2e"])
+    reply = client.chat.completions.create(
+        model=gateway.model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    assert reply.system_fingerprint == version
+    logged = client.get(f"/completions/{reply.id}", cast_to=object)
+    assert {span["version"] for span in logged["choices"][0]["weight_versions"]} == {version}  # type: ignore[index]
+
+    base = load_file(model_dir / "model.safetensors")
+    trained = load_file(Path(row.checkpoint_path) / "model.safetensors")
+    assert base.keys() == trained.keys()
+    assert any(not torch.equal(base[name], trained[name]) for name in base)
+
+    again = run_round(round_config(gateway, tmp_path))
+    assert again.status == "nothing_to_learn" and again.version_id is None
+    assert again.watermark_from == again.watermark_to == result.watermark_to
+    assert "train" not in again.seconds
+    assert serving(gateway)["weight_version"] == version
+
+
+def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path: Path) -> None:
+    chat_and_rate(gateway, [("Is water wet?", "up"), ("Is fire cold?", "down")])
+    before = serving(gateway)
+    with gateway.sessions()() as session:
+        versions_before = list_versions(session, model=gateway.model)
+    result = run_round(round_config(gateway, tmp_path, debug_fault="exit"))
+    assert result.status == "failed" and result.version_id is None
+    assert "training crashed" in (result.error or "")
+    assert serving(gateway) == before
+    with gateway.sessions()() as session:
+        assert list_versions(session, model=gateway.model) == versions_before
+        failed = get_round(session, round_id=result.round_id)
+    assert failed.status == "failed" and failed.watermark_to is None and failed.error
+    # The feedback is still there for the next round.
+    retry = run_round(round_config(gateway, tmp_path))
+    assert retry.status == "succeeded" and retry.samples == 2
+    assert retry.watermark_from == result.watermark_from
+    assert retry.parent_version_id == (before["version"]["id"] if before["version"] else None)
+
+
+def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
+    chat_and_rate(gateway, [("Tell me a joke.", "up"), ("Tell me a joke.", "down"), ("Bye.", "up")])
+    args = [
+        "learn",
+        "--server",
+        gateway.url,
+        "--database-url",
+        gateway.settings.resolved_database_url,
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoints"),
+        "--learning-rate",
+        str(LEARNING_RATE),
+        "--threads",
+        "1",
+    ]
+    env = {"TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_DATA_DIR": str(tmp_path / "data")}
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    summary = result.output.strip().splitlines()[-1]
+    version = serving(gateway)["weight_version"]
+    assert summary.startswith("round round-") and "3 samples" in summary and f"new version {version}" in summary
+    assert "swap" in summary
+    nothing = CliRunner().invoke(app, args, env=env)
+    assert nothing.exit_code == 0 and "nothing to learn" in nothing.output
+    refused = CliRunner().invoke(app, args, env={**env, "TANDEM_ADMIN_KEY": "wrong"})
+    assert refused.exit_code == 1 and "401" in refused.output
+
+
+def test_round_result_is_plain_data() -> None:
+    result = RoundResult("nothing_to_learn", "round-x", "m")
+    assert result.seconds == {} and result.error is None
