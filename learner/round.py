@@ -33,8 +33,10 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import httpx
+import torch
 from sqlalchemy.orm import Session, sessionmaker
 
+from learner.algorithms import feedback_advantages, group_mean_std
 from learner.collect import feedback_samples
 from learner.rewards import FeedbackRewardMapping, feedback_reward
 from learner.sample import Sample
@@ -294,16 +296,13 @@ def assign_feedback_rewards(samples: Sequence[Sample], mapping: FeedbackRewardMa
 
 def feedback_baseline_advantages(samples: Sequence[Sample], baseline: float) -> list[float]:
     """Reward minus the group mean where several rated answers share a prompt, else minus ``baseline``."""
-    groups: dict[int, list[float]] = {}
-    for sample in samples:
-        if sample.group_index is not None:
-            groups.setdefault(sample.group_index, []).append(sample.reward_value())
-    advantages = []
-    for sample in samples:
-        group = groups.get(sample.group_index, []) if sample.group_index is not None else []
-        reference = statistics.fmean(group) if len(group) > 1 else baseline
-        advantages.append(sample.reward_value() - reference)
-    return advantages
+    rewards = torch.tensor([s.reward_value() for s in samples], dtype=torch.float64)
+    # A sample without a group is a group of its own (negative ids never collide with real ones).
+    groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
+    group_mean, _ = group_mean_std(rewards, groups)
+    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    baselines = torch.where(counts[inverse] > 1, group_mean, torch.full_like(rewards, baseline))
+    return feedback_advantages(rewards, baselines).tolist()
 
 
 def _earlier_rewards(sessions: sessionmaker[Session], model: str) -> tuple[float, int]:
