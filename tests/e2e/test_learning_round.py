@@ -8,6 +8,7 @@ the gateway busy while the round runs and every one of their requests must compl
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,12 +88,15 @@ class StreamingLoad:
         self.client, self.model = client, model
         self.completed, self.failures = 0, []
         self.fingerprints: set[str] = set()
+        self.completed_after_mark = 0
+        self._mark = float("inf")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
 
     def _loop(self, worker: int) -> None:
         while not self._stop.is_set():
+            begun = time.monotonic()
             try:
                 stream = self.client.chat.completions.create(
                     model=self.model,
@@ -106,6 +110,7 @@ class StreamingLoad:
                     raise AssertionError(f"stream ended without a finish reason: {finish}")
                 with self._lock:
                     self.completed += 1
+                    self.completed_after_mark += begun > self._mark
                     self.fingerprints.update(c.system_fingerprint for c in chunks if c.system_fingerprint)
             except Exception as exc:  # every failure is counted, none may happen
                 with self._lock:
@@ -117,9 +122,12 @@ class StreamingLoad:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # A few more requests first, so the load covers the new version too.
-        target = self.completed + len(self._threads)
-        while self.completed < target and not self.failures and any(t.is_alive() for t in self._threads):
+        # A few more requests that start after the swap, so the load covers the new version too
+        # (requests under way during the swap may finish afterwards on the old one).
+        with self._lock:
+            self._mark = time.monotonic()
+        target = len(self._threads)
+        while self.completed_after_mark < target and not self.failures and any(t.is_alive() for t in self._threads):
             self._stop.wait(0.05)
         self._stop.set()
         for thread in self._threads:
