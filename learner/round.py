@@ -93,6 +93,7 @@ class RoundConfig:
     heartbeat_s: float = 30.0
     reward_mapping: FeedbackRewardMapping = field(default_factory=FeedbackRewardMapping)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    trigger: str = "manual"  # what started the round ("manual", "schedule", ...), stored on its row
     debug_fault: DebugFault | None = None  # the training child's, to test failure handling
 
     def __post_init__(self) -> None:
@@ -320,7 +321,7 @@ def _start(sessions: sessionmaker[Session], config: RoundConfig, model: str, par
                 session,
                 model=model,
                 worker_id=config.worker_id,
-                trigger="manual",
+                trigger=config.trigger,
                 base_version_id=parent_id,
                 config={"learning_rate": config.learning_rate, "num_steps": config.num_steps},
             )
