@@ -18,7 +18,7 @@ from storage.completions import (
 )
 from storage.conversation_writes import WriteResult, write_records
 from storage.db import make_engine, make_session_factory
-from storage.feedback_collect import FeedbackBatch, FeedbackItem, collect_feedback
+from storage.feedback_collect import FeedbackBatch, FeedbackItem, RatingRecord, collect_feedback, rating_history
 from storage.learning_errors import LearningStateError, NotFoundError, RoundBusyError
 from storage.model_versions import (
     ModelVersionView,
@@ -54,6 +54,7 @@ __all__ = [
     "LearningStateError",
     "ModelVersionView",
     "NotFoundError",
+    "RatingRecord",
     "RoundBusyError",
     "TrainingRoundView",
     "WriteResult",
@@ -77,6 +78,7 @@ __all__ = [
     "make_engine",
     "make_session_factory",
     "queue_round",
+    "rating_history",
     "record_model_version",
     "revoke_api_key",
     "serving_version",

@@ -92,6 +92,7 @@ def collect_feedback(
     end_user: str | None = None,
     max_age: timedelta | None = None,
     limit: int | None = None,
+    until: int | None = None,
 ) -> FeedbackBatch:
     """Rated choices of ``model`` whose rating changed after watermark ``since``.
 
@@ -100,11 +101,14 @@ def collect_feedback(
         tenant_id, end_user: only this tenant's / end user's feedback (the others are passed over).
         max_age: only completions created at most this long ago.
         limit: at most this many items; the watermark then stops at the last one returned.
+        until: no change numbered above this (a history read up to a round's watermark).
 
     Raises:
         LearningStateError: a PostgreSQL session not in READ COMMITTED (it could miss rows).
     """
     upper = _committed_horizon(session)
+    if until is not None:
+        upper = min(upper, until)
     if upper <= since:
         return FeedbackBatch(since=since, watermark=since, items=())
     query = _feedback_query(model=model, since=since, upper=upper)
@@ -119,6 +123,27 @@ def collect_feedback(
     items = tuple(_feedback_item(row) for row in session.execute(query))
     full = limit is not None and len(items) == limit
     return FeedbackBatch(since=since, watermark=items[-1].seq if full else upper, items=items)
+
+
+@dataclass(frozen=True, slots=True)
+class RatingRecord:
+    """One rated choice's current verdict, for baselines (no tokens)."""
+
+    user_id: str | None
+    rating: str | None
+    score: float
+
+
+def rating_history(session: Session, *, model: str) -> list[RatingRecord]:
+    """Every rated choice of ``model`` at its current revision, oldest rating first."""
+    query = (
+        select(EndUser.external_id, Feedback.rating, Feedback.score)
+        .join(Completion, Completion.id == Feedback.completion_id)
+        .outerjoin(EndUser, EndUser.id == Completion.end_user_id)
+        .where(Completion.model == model)
+        .order_by(Feedback.updated_at)
+    )
+    return [RatingRecord(user_id, rating, score) for user_id, rating, score in session.execute(query)]
 
 
 def _committed_horizon(session: Session) -> int:
