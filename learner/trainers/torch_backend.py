@@ -199,7 +199,7 @@ def train_step(
 
     Returns:
         slime's ``train/`` metrics (loss, pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss, tis...,
-        grad_norm) and ``perf/tokens_per_sec``.
+        grad_norm), ``perf/tokens_per_sec`` and ``rollout/response_length_{mean,max}``.
 
     Raises:
         TrainingDiverged: a non-finite loss or gradient norm (the optimizer is not stepped), or a
@@ -231,10 +231,11 @@ def train_step(
     for micro_batch in pack_samples(samples, config.max_tokens_per_micro_batch):
         batch = collate_micro_batch(samples, micro_batch)
         cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
-        if loss_config.entropy_coef != 0:
-            log_probs, entropy = compute_log_probs_and_entropy(model, batch)
-        else:
-            log_probs, entropy = compute_log_probs(model, batch), None
+        logits = _forward_logits(model, batch)
+        log_probs = _token_log_probs(logits, batch)
+        # Entropy is always reported (train/entropy_loss); it joins the graph only when it is in the loss.
+        with torch.set_grad_enabled(loss_config.entropy_coef != 0):
+            entropy = _shifted(entropy_from_logits(logits), batch.cu_seqlens)
         ref_log_probs = None
         if ref_model is not None and loss_config.kl_loss_coef != 0:
             with torch.no_grad():
@@ -271,4 +272,11 @@ def train_step(
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
     elapsed = time.perf_counter() - started
     tokens = sum(s.total_length for s in samples)
-    return {**totals, "grad_norm": grad_norm, "perf/tokens_per_sec": tokens / max(elapsed, 1e-9)}
+    lengths = [s.response_length for s in samples]
+    return {
+        **totals,
+        "grad_norm": grad_norm,
+        "perf/tokens_per_sec": tokens / max(elapsed, 1e-9),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+    }
