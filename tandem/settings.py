@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 from pathlib import Path
@@ -59,6 +60,10 @@ class Settings(BaseSettings):
     log_flush_interval_s: float = Field(0.25, gt=0, description="journal -> database batching; lookups flush first")
     log_batch_size: int = Field(256, ge=1)
 
+    tensorboard_dir: Path | None = Field(None, description="round metrics event files; default: data_dir/tensorboard")
+    wandb_project: str = Field("", description="W&B project for round metrics; empty: W&B off")
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "console"] = "json"
 
@@ -79,6 +84,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [u.strip() for u in value.split(",") if u.strip()]
         return value
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_installed(cls, value: str) -> str:
+        if value and importlib.util.find_spec("wandb") is None:
+            raise ValueError("wandb_project is set but wandb is not installed: pip install 'tandem[wandb]'")
+        return value
+
+    @property
+    def resolved_tensorboard_dir(self) -> Path:
+        return self.tensorboard_dir or self.data_dir / "tensorboard"
 
     @property
     def resolved_database_url(self) -> str:
