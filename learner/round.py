@@ -1,135 +1,60 @@
 """One learning round, start to finish, as a plain sequence of named steps (slime's ``train.py`` style).
 
-    start_round (the model's round lock) -> collect feedback since the last watermark -> samples
-    -> rewards (the built-in feedback mapping) -> advantages (reward minus a feedback baseline)
-    -> train in a child process on the serving checkpoint -> export -> record a candidate version
-    -> ask the server to roll it out (``POST /admin/weights``) -> finish_round(succeeded)
+    start_round (the model's round lock) -> collect feedback since the last watermark (filters)
+    -> reward: the feedback mapping, baselines, advantages -> train in a child process on the
+    serving checkpoint -> export -> record a candidate version -> ask the server to roll it out
+    (``POST /admin/weights``) -> finish_round(succeeded)
 
 Any failure after the lock is taken finishes the round ``failed`` with the error: the watermark does
 not move (the next round collects the same feedback again) and serving is untouched, because only
 the server changes weights and it is asked last. A round with no new feedback finishes at once as
 "nothing to learn", without training.
-
-Advantages use feedback alone: answers that share a prompt form a real group (reward minus the group
-mean); an answer rated alone gets reward minus the running mean of every reward the model's
-succeeded rounds have seen, this round's included (stored on each round's metrics as
-``reward_sum`` / ``reward_count``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
-import httpx
-import torch
 from sqlalchemy.orm import Session, sessionmaker
 
-from learner.algorithms import feedback_advantages, group_mean_std
+from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
-from learner.rewards import FeedbackRewardMapping, feedback_reward
+from learner.rewards import feedback_reward
+from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
 from learner.sample import Sample
-from learner.trainers import TrainConfig, TrainingRequest, run_training_child, weights_sha256
-from learner.trainers.child import DebugFault
+from learner.server_api import ServerApi
+from learner.trainers import TrainingRequest, run_training_child, weights_sha256
 from storage import (
     RoundBusyError,
     collect_feedback,
     finish_round,
     heartbeat_round,
-    list_rounds,
     make_engine,
     make_session_factory,
+    rating_history,
     record_model_version,
     set_version_status,
     start_round,
 )
 
-__all__ = ["STAGES", "RoundConfig", "RoundError", "RoundResult", "feedback_baseline_advantages", "run_round"]
+__all__ = ["STAGES", "RoundConfig", "RoundError", "RoundResult", "run_round"]
 
 log = logging.getLogger(__name__)
 
-STAGES = ("collect", "reward", "train", "export", "swap")
 StageCallback = Callable[[str, float | None], None]  # (stage, None) when it starts, (stage, seconds) when done
-
-
-class RoundError(RuntimeError):
-    """The round could not start (server unreachable, admin key refused, another round running)."""
 
 
 class _StageFailed(RuntimeError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class RoundConfig:
-    """Where the round runs and how it trains.
-
-    ``model_dir`` is the base checkpoint when the serving version has no recorded checkpoint (the
-    model the server started with); None: the folder the server reports, which must be readable here.
-    """
-
-    server_url: str
-    admin_key: str
-    database_url: str
-    checkpoint_dir: Path
-    model_dir: Path | None = None
-    train_config: TrainConfig = field(default_factory=TrainConfig)
-    learning_rate: float = 1e-6
-    num_steps: int = 1
-    num_threads: int | None = None
-    train_timeout_s: float = 3600.0
-    http_timeout_s: float = 600.0
-    heartbeat_s: float = 30.0
-    reward_mapping: FeedbackRewardMapping = field(default_factory=FeedbackRewardMapping)
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    trigger: str = "manual"  # what started the round ("manual", "schedule", ...), stored on its row
-    debug_fault: DebugFault | None = None  # the training child's, to test failure handling
-
-    def __post_init__(self) -> None:
-        errors = []
-        if not self.server_url.startswith(("http://", "https://")):
-            errors.append(f"server_url must be an http(s) URL, got {self.server_url!r}")
-        if not self.admin_key:
-            errors.append("admin_key is empty (set TANDEM_ADMIN_KEY)")
-        if self.heartbeat_s <= 0 or self.http_timeout_s <= 0:
-            errors.append("heartbeat_s and http_timeout_s must be > 0")
-        if errors:
-            raise ValueError("invalid round config: " + "; ".join(errors))
-
-
-@dataclass(frozen=True, slots=True)
-class RoundResult:
-    """How a round ended; ``seconds`` has one entry per stage that ran (see ``STAGES``).
-
-    ``train`` is the whole training child (load, steps, and the checkpoint write with its sha256);
-    ``export`` is re-hashing the written checkpoint and recording its version row; ``swap`` is the
-    server's rolling update as the learner waits for it.
-    """
-
-    status: Literal["succeeded", "nothing_to_learn", "failed"]
-    round_id: str
-    model: str
-    samples: int = 0
-    reward_mean: float | None = None
-    version_id: str | None = None
-    parent_version_id: str | None = None
-    checkpoint_path: str | None = None
-    watermark_from: int = 0
-    watermark_to: int | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
 
 
 def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> RoundResult:
@@ -141,177 +66,198 @@ def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> 
     Raises:
         RoundError: the server cannot be asked what it serves, or another round of the model runs.
     """
-    server = _Server(config.server_url, config.admin_key, config.http_timeout_s)
+    server = ServerApi(config.server_url, config.admin_key, config.http_timeout_s)
     serving = server.serving()
-    model, parent = serving["model"], serving["version"]
     db = make_engine(config.database_url)
     try:
         sessions = make_session_factory(db)
-        round_id, since = _start(sessions, config, model, parent["id"] if parent else None)
-        timer = _Timer(on_stage)
+        parent = serving["version"]
+        round_id, since = _start(sessions, config, serving["model"], parent["id"] if parent else None)
+        run = _Round(config, server, sessions, _Timer(on_stage), round_id, since, serving)
         try:
             with _heartbeat(sessions, round_id, config.heartbeat_s):
-                return _learn(config, server, sessions, timer, round_id, since, model, serving)
+                return run.learn()
         except KeyboardInterrupt:
-            _finish(
-                sessions, round_id=round_id, status="failed", error="interrupted", metrics={"seconds": timer.seconds}
-            )
+            run.finish(status="failed", error="interrupted", metrics={"seconds": run.timer.seconds})
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StageFailed) else str(exc)
-            _finish(sessions, round_id=round_id, status="failed", error=error, metrics={"seconds": timer.seconds})
-            return RoundResult("failed", round_id, model, watermark_from=since, seconds=timer.seconds, error=error)
+            run.finish(status="failed", error=error, metrics={"seconds": run.timer.seconds})
+            return run.result("failed", error=error)
     finally:
         db.dispose()
 
 
-def _learn(
-    config: RoundConfig,
-    server: _Server,
-    sessions: sessionmaker[Session],
-    timer: _Timer,
-    round_id: str,
-    since: int,
-    model: str,
-    serving: dict[str, Any],
-) -> RoundResult:
-    with timer("collect"):
-        with sessions.begin() as session:
-            batch = collect_feedback(session, model=model, since=since)
-        samples = [s for s in feedback_samples(batch.items) if s.response_length > 0]
-    if not samples:
-        _finish(sessions, round_id=round_id, status="succeeded", watermark_to=batch.watermark, samples_collected=0)
-        return RoundResult(
-            "nothing_to_learn",
-            round_id,
-            model,
-            watermark_from=since,
-            watermark_to=batch.watermark,
-            seconds=timer.seconds,
+@dataclass(slots=True)
+class _Round:
+    """One running round: its inputs, and what each step adds for the next."""
+
+    config: RoundConfig
+    server: ServerApi
+    sessions: sessionmaker[Session]
+    timer: _Timer
+    round_id: str
+    since: int
+    serving: dict[str, Any]
+    watermark: int | None = None
+    samples: list[Sample] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return self.serving["model"]
+
+    @property
+    def parent(self) -> dict[str, Any] | None:
+        return self.serving["version"]
+
+    def learn(self) -> RoundResult:
+        with self.timer("collect"):
+            collected = self.collect()
+        if not self.samples:
+            self.finish(status="succeeded", watermark_to=self.watermark, samples_collected=collected)
+            return self.result("nothing_to_learn")
+        with self.timer("reward"):
+            advantages = self.feedback_advantages()
+        request = self.training_request(advantages)
+        if self.config.mode == "rollout_only":
+            # Nothing trained: the watermark stays, so a training round later sees the same data.
+            self.finish(status="succeeded", watermark_to=self.since, metrics=self.metrics)
+            return self.result("rollout_only")
+        with self.timer("train"):
+            checkpoint = self.train(request)
+        with self.timer("export"):
+            version_id = self.record_version(checkpoint)
+        with self.timer("swap"):
+            self.swap(checkpoint, version_id)
+        self.metrics["seconds"] = self.timer.seconds
+        self.finish(
+            status="succeeded",
+            watermark_to=self.watermark,
+            metrics=self.metrics,
+            samples_collected=collected,
+            samples_trained=len(self.samples),
+            produced_version_id=version_id,
         )
+        return self.result("succeeded", version_id=version_id, checkpoint_path=checkpoint)
 
-    with timer("reward"):
-        rewards = assign_feedback_rewards(samples, config.reward_mapping)
-        earlier_sum, earlier_count = _earlier_rewards(sessions, model)
-        baseline = (earlier_sum + sum(rewards)) / (earlier_count + len(rewards))
-        advantages = feedback_baseline_advantages(samples, baseline)
-    reward_metrics = {
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
-        "reward_sum": sum(rewards),
-        "reward_count": len(rewards),
-        "baseline": baseline,
-        "advantage_abs_mean": statistics.fmean(abs(a) for a in advantages),
-    }
+    # steps
 
-    parent = serving["version"]
-    base_dir = Path(parent["checkpoint_path"]) if parent else (config.model_dir or Path(serving["model_path"]))
-    version_id = f"v{batch.watermark}-{uuid.uuid4().hex[:8]}"
-    out_dir = config.checkpoint_dir / version_id
-    with timer("train"):
-        if not base_dir.is_dir():
-            raise _StageFailed(f"the base checkpoint {base_dir} is not a folder on this machine (pass --model-dir)")
-        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        outcome = run_training_child(
-            TrainingRequest(
-                base_model_dir=base_dir,
-                out_dir=out_dir,
-                samples=tuple(samples),
-                config=config.train_config,
-                num_steps=config.num_steps,
-                learning_rate=config.learning_rate,
-                num_threads=config.num_threads,
-                timeout_s=config.train_timeout_s,
-                debug_fault=config.debug_fault,
-                advantages=tuple(advantages),
+    def collect(self) -> int:
+        """Rated answers since the watermark, through the configured filters; returns how many were rated."""
+        config = self.config
+        with self.sessions.begin() as session:
+            batch = collect_feedback(
+                session,
+                model=self.model,
+                since=self.since,
+                tenant_id=config.tenant_id,
+                end_user=config.end_user,
+                max_age=config.max_age,
             )
+        self.watermark = batch.watermark
+        self.samples = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+        return len(batch.items)
+
+    def feedback_advantages(self) -> list[float]:
+        """Rewards from the ratings; advantage = reward minus the group mean or the user's baseline."""
+        config = self.config
+        rewards = assign_feedback_rewards(self.samples, config.reward_mapping)
+        with self.sessions() as session:
+            ratings = rating_history(session, model=self.model)
+        history = RewardHistory.of((r.user_id, feedback_reward(r, config.reward_mapping)) for r in ratings)
+        baselines = [history.baseline(s.user_id, config.baseline, config.baseline_prior_strength) for s in self.samples]
+        advantages = feedback_baseline_advantages(self.samples, baselines)
+        self.metrics |= {
+            "samples": len(self.samples),
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "baseline_mean": statistics.fmean(baselines),
+            "advantage_abs_mean": statistics.fmean(abs(a) for a in advantages),
+            "response_length_mean": statistics.fmean(s.response_length for s in self.samples),
+        }
+        return advantages
+
+    def training_request(self, advantages: list[float]) -> TrainingRequest:
+        config = self.config
+        parent = self.parent
+        base_dir = Path(parent["checkpoint_path"]) if parent else (config.model_dir or Path(self.serving["model_path"]))
+        return TrainingRequest(
+            base_model_dir=base_dir,
+            out_dir=config.checkpoint_dir / f"v{self.watermark}-{uuid.uuid4().hex[:8]}",
+            samples=tuple(self.samples),
+            config=config.train_config,
+            num_steps=config.num_steps,
+            learning_rate=config.learning_rate,
+            num_threads=config.num_threads,
+            timeout_s=config.train_timeout_s,
+            debug_fault=config.debug_fault,
+            advantages=tuple(advantages),
         )
+
+    def train(self, request: TrainingRequest) -> Path:
+        """The new checkpoint folder; a failed child leaves nothing to serve."""
+        if not request.base_model_dir.is_dir():
+            raise _StageFailed(
+                f"the base checkpoint {request.base_model_dir} is not a folder on this machine (pass --model-dir)"
+            )
+        request.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        outcome = run_training_child(request)
         if outcome.status != "succeeded" or outcome.checkpoint is None:
             raise _StageFailed(f"training {outcome.failure}: {outcome.error}")
-    train_metrics = dict(outcome.metrics[-1]) if outcome.metrics else {}
+        self.metrics |= dict(outcome.metrics[-1]) if outcome.metrics else {}
+        # The child hashed what it wrote; hashing again (in export) proves the folder is whole.
+        self.metrics["checkpoint_sha256"] = outcome.checkpoint.sha256
+        return outcome.checkpoint.path
 
-    with timer("export"):
-        # The child hashed what it wrote; hashing again here proves the folder the server will
-        # load is whole and is the one the child reported.
-        sha256 = weights_sha256(outcome.checkpoint.path)
-        if sha256 != outcome.checkpoint.sha256:
-            raise _StageFailed(f"checkpoint {outcome.checkpoint.path} changed after export (sha256 mismatch)")
-        with sessions.begin() as session:
+    def record_version(self, checkpoint: Path) -> str:
+        sha256 = weights_sha256(checkpoint)
+        if sha256 != self.metrics.pop("checkpoint_sha256"):
+            raise _StageFailed(f"checkpoint {checkpoint} changed after export (sha256 mismatch)")
+        version_id = checkpoint.name
+        parent = self.parent
+        with self.sessions.begin() as session:
             record_model_version(
                 session,
                 version_id=version_id,
-                model=model,
-                checkpoint_path=str(outcome.checkpoint.path),
+                model=self.model,
+                checkpoint_path=str(checkpoint),
                 sha256=sha256,
                 parent_id=parent["id"] if parent else None,
-                watermark=batch.watermark,
-                metrics={**reward_metrics, **train_metrics, "round_id": round_id},
+                watermark=self.watermark,
+                metrics={**self.metrics, "round_id": self.round_id},
             )
+        return version_id
 
-    with timer("swap"):
+    def swap(self, checkpoint: Path, version_id: str) -> None:
         try:
-            server.roll_out(str(outcome.checkpoint.path), version_id)
+            self.server.roll_out(str(checkpoint), version_id)
         except RoundError as exc:
-            with sessions.begin() as session:
+            with self.sessions.begin() as session:
                 set_version_status(session, version_id=version_id, status="rejected", reason=str(exc))
             raise _StageFailed(f"the server did not roll out {version_id}: {exc}") from exc
 
-    metrics = {**reward_metrics, **train_metrics, "seconds": timer.seconds}
-    _finish(
-        sessions,
-        round_id=round_id,
-        status="succeeded",
-        watermark_to=batch.watermark,
-        metrics=metrics,
-        samples_collected=len(batch.items),
-        samples_trained=len(samples),
-        produced_version_id=version_id,
-    )
-    return RoundResult(
-        "succeeded",
-        round_id,
-        model,
-        samples=len(samples),
-        reward_mean=reward_metrics["reward_mean"],
-        version_id=version_id,
-        parent_version_id=parent["id"] if parent else None,
-        checkpoint_path=str(outcome.checkpoint.path),
-        watermark_from=since,
-        watermark_to=batch.watermark,
-        seconds=timer.seconds,
-        metrics=metrics,
-    )
+    # bookkeeping
 
+    def finish(self, **values: Any) -> None:
+        with self.sessions.begin() as session:
+            finish_round(session, round_id=self.round_id, **values)
 
-# steps
-
-
-def assign_feedback_rewards(samples: Sequence[Sample], mapping: FeedbackRewardMapping) -> list[float]:
-    """Set each feedback sample's reward from its rating (or score) with the built-in mapping."""
-    rewards = []
-    for sample in samples:
-        sample.reward = feedback_reward(SimpleNamespace(**sample.metadata["feedback"]), mapping)
-        rewards.append(sample.reward)
-    return rewards
-
-
-def feedback_baseline_advantages(samples: Sequence[Sample], baseline: float) -> list[float]:
-    """Reward minus the group mean where several rated answers share a prompt, else minus ``baseline``."""
-    rewards = torch.tensor([s.reward_value() for s in samples], dtype=torch.float64)
-    # A sample without a group is a group of its own (negative ids never collide with real ones).
-    groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
-    group_mean, _ = group_mean_std(rewards, groups)
-    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-    baselines = torch.where(counts[inverse] > 1, group_mean, torch.full_like(rewards, baseline))
-    return feedback_advantages(rewards, baselines).tolist()
-
-
-def _earlier_rewards(sessions: sessionmaker[Session], model: str) -> tuple[float, int]:
-    with sessions() as session:
-        rounds = list_rounds(session, model=model, status="succeeded", limit=10_000)
-    total = sum(float(r.metrics.get("reward_sum", 0.0)) for r in rounds)
-    count = sum(int(r.metrics.get("reward_count", 0)) for r in rounds)
-    return total, count
+    def result(self, status: str, **values: Any) -> RoundResult:
+        parent = self.parent
+        return RoundResult(
+            status,  # type: ignore[arg-type]
+            self.round_id,
+            self.model,
+            samples=len(self.samples),
+            reward_mean=self.metrics.get("reward_mean"),
+            parent_version_id=parent["id"] if parent else None,
+            watermark_from=self.since,
+            watermark_to=self.watermark if status != "failed" else None,
+            seconds=self.timer.seconds,
+            metrics=self.metrics,
+            **{k: str(v) if isinstance(v, Path) else v for k, v in values.items()},
+        )
 
 
 def _start(sessions: sessionmaker[Session], config: RoundConfig, model: str, parent_id: str | None) -> tuple[str, int]:
@@ -321,21 +267,13 @@ def _start(sessions: sessionmaker[Session], config: RoundConfig, model: str, par
                 session,
                 model=model,
                 worker_id=config.worker_id,
-                trigger=config.trigger,
+                trigger=config.trigger,  # type: ignore[arg-type]
                 base_version_id=parent_id,
-                config={"learning_rate": config.learning_rate, "num_steps": config.num_steps},
+                config=config.summary(),
             )
     except RoundBusyError as exc:
         raise RoundError(str(exc)) from exc
     return started.id, int(started.watermark_from or 0)
-
-
-def _finish(sessions: sessionmaker[Session], **values: Any) -> None:
-    with sessions.begin() as session:
-        finish_round(session, **values)
-
-
-# helpers
 
 
 class _Timer:
@@ -374,33 +312,3 @@ def _heartbeat(sessions: sessionmaker[Session], round_id: str, every_s: float) -
     finally:
         stop.set()
         thread.join()
-
-
-class _Server:
-    """The gateway's admin weights API; the only way a round changes what serves."""
-
-    def __init__(self, url: str, admin_key: str, timeout_s: float) -> None:
-        self._url = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {admin_key}"}
-        self._timeout = timeout_s
-
-    def serving(self) -> dict[str, Any]:
-        return self._call("GET", None)
-
-    def roll_out(self, model_path: str, weight_version: str) -> dict[str, Any]:
-        return self._call("POST", {"model_path": model_path, "weight_version": weight_version})
-
-    def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        try:
-            response = httpx.request(
-                method, f"{self._url}/admin/weights", json=body, headers=self._headers, timeout=self._timeout
-            )
-        except httpx.HTTPError as exc:
-            raise RoundError(f"cannot reach the server at {self._url}: {exc}") from exc
-        if response.status_code != 200:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:500]
-            raise RoundError(f"{method} /admin/weights answered {response.status_code}: {message}")
-        return response.json()

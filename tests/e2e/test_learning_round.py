@@ -157,7 +157,7 @@ def test_round_learns_and_swaps_without_a_failed_request(gateway: Gateway, model
         row = get_version(session, version_id=version)
         assert serving_version(session, model=gateway.model) == row
         assert row.status == "serving" and row.watermark == result.watermark_to and row.sha256
-        assert row.metrics["reward_count"] == 4 and "loss" in row.metrics and "grad_norm" in row.metrics
+        assert row.metrics["samples"] == 4 and "loss" in row.metrics and "grad_norm" in row.metrics
         round_row = get_round(session, round_id=result.round_id)
     assert round_row.status == "succeeded" and round_row.produced_version_id == version
     assert round_row.watermark_from == 0 and round_row.watermark_to == result.watermark_to > 0

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.rewards import FeedbackRewardMapping
-from learner.round import RoundConfig, assign_feedback_rewards, feedback_baseline_advantages
+from learner.round import RoundConfig
 from learner.sample import Sample
 from learner.trainers import TrainingRequest
 
@@ -30,9 +31,9 @@ def test_advantages_use_real_groups_else_the_baseline() -> None:
     # Group 0 has two rated answers (a real group); groups 1 and 2 were rated alone.
     samples = [rated(0, "up"), rated(0, "down"), rated(1, "up"), rated(2, "down")]
     assign_feedback_rewards(samples, FeedbackRewardMapping())
-    assert feedback_baseline_advantages(samples, baseline=0.5) == [1.0, -1.0, 0.5, -1.5]
+    assert feedback_baseline_advantages(samples, 0.5) == [1.0, -1.0, 0.5, -1.5]
     lone = Sample(response_token_ids=[1], reward=1.0)  # no group at all: the baseline too
-    assert feedback_baseline_advantages([lone], baseline=0.25) == [0.75]
+    assert feedback_baseline_advantages([lone], 0.25) == [0.75]
 
 
 def test_training_request_carries_advantages(tmp_path: Path) -> None:
@@ -47,3 +48,21 @@ def test_round_config_reports_every_problem(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
         RoundConfig(server_url="localhost:8000", admin_key="", database_url="sqlite://", checkpoint_dir=tmp_path)
     assert "server_url" in str(info.value) and "TANDEM_ADMIN_KEY" in str(info.value)
+
+
+def test_user_baseline_shrinks_a_users_mean_towards_everyones() -> None:
+    history = RewardHistory.of([("ann", 1.0), ("ann", 1.0), ("bob", -1.0), ("bob", 0.0), (None, 0.5)])
+    assert history.mean == pytest.approx(1.5 / 5)
+    # ann: (2 + 4 * 0.3) / (2 + 4) ; bob: (-1 + 4 * 0.3) / (2 + 4); a new user and no user: everyone's mean
+    assert history.baseline("ann") == pytest.approx(3.2 / 6)
+    assert history.baseline("bob") == pytest.approx(0.2 / 6)
+    assert history.baseline("carol") == history.baseline(None) == pytest.approx(0.3)
+    assert history.baseline("ann", "global") == pytest.approx(0.3)
+    assert history.baseline("ann", prior_strength=0) == pytest.approx(1.0)
+    assert RewardHistory().baseline("ann") == 0.0
+
+
+def test_per_sample_baselines_apply_to_lone_answers_only() -> None:
+    samples = [rated(0, "up"), rated(0, "down"), rated(1, "up")]
+    assign_feedback_rewards(samples, FeedbackRewardMapping())
+    assert feedback_baseline_advantages(samples, [9.0, 9.0, 0.25]) == [1.0, -1.0, 0.75]

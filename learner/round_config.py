@@ -1,0 +1,149 @@
+"""What a learning round is told (``RoundConfig``) and what it reports (``RoundResult``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from learner.algorithms import PolicyLossConfig
+from learner.baselines import BaselineKind
+from learner.rewards import FeedbackRewardMapping
+from learner.trainers import TrainConfig
+from learner.trainers.child import DebugFault
+
+__all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult"]
+
+# In the order a round runs them; ``rollout`` only when the reward can score new text.
+STAGES = ("collect", "reward", "rollout", "train", "export", "swap")
+
+RewardSource = Literal["feedback", "custom"]
+RoundMode = Literal["train", "rollout_only"]
+
+
+class RoundError(RuntimeError):
+    """The round could not start (server unreachable, admin key refused, another round running)."""
+
+
+def _feedback_train_config() -> TrainConfig:
+    # Logged answers may come from older versions than the one trained: TIS corrects for that.
+    return TrainConfig(loss=PolicyLossConfig(use_tis=True))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    """Where the round runs, what it learns from and how it trains.
+
+    ``model_dir`` is the base checkpoint when the serving version has no recorded checkpoint (the
+    model the server started with); None: the folder the server reports, which must be readable here.
+
+    Data: ``tenant_id``, ``end_user`` and ``max_age_s`` restrict which feedback trains; the rest is
+    passed over for good (the watermark covers it).
+
+    Reward: ``feedback`` trains directly on the rated logged answers, advantage = reward minus a
+    ``baseline`` (per user or global running mean; a real group where one prompt has several rated
+    answers), importance-corrected against the logged behaviour log-probs. ``custom`` scores fresh
+    rollouts with the reward plugin at ``reward_path`` (slime's ``async (args, sample) -> float``, or
+    batched ``(args, samples) -> list`` with ``reward_batched``).
+
+    ``mode="rollout_only"`` collects, scores and (with ``save_batch_dir``) saves the batch, then stops:
+    no training, no new version, the watermark stays.
+    """
+
+    server_url: str
+    admin_key: str
+    database_url: str
+    checkpoint_dir: Path
+    model_dir: Path | None = None
+    # data
+    tenant_id: str | None = None
+    end_user: str | None = None
+    max_age_s: float | None = None
+    # reward
+    reward: RewardSource = "feedback"
+    reward_path: str | None = None
+    reward_batched: bool = False
+    reward_mapping: FeedbackRewardMapping = field(default_factory=FeedbackRewardMapping)
+    baseline: BaselineKind = "user"
+    baseline_prior_strength: float = 4.0
+    # training
+    train_config: TrainConfig = field(default_factory=_feedback_train_config)
+    learning_rate: float = 1e-6
+    num_steps: int = 1
+    num_threads: int | None = None
+    train_timeout_s: float = 3600.0
+    # debugging and plumbing
+    mode: RoundMode = "train"
+    save_batch_dir: Path | None = None
+    http_timeout_s: float = 600.0
+    heartbeat_s: float = 30.0
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    trigger: str = "manual"  # what started the round ("manual", "schedule", ...), stored on its row
+    debug_fault: DebugFault | None = None  # the training child's, to test failure handling
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not self.server_url.startswith(("http://", "https://")):
+            errors.append(f"server_url must be an http(s) URL, got {self.server_url!r}")
+        if not self.admin_key:
+            errors.append("admin_key is empty (set TANDEM_ADMIN_KEY)")
+        if self.heartbeat_s <= 0 or self.http_timeout_s <= 0:
+            errors.append("heartbeat_s and http_timeout_s must be > 0")
+        if self.max_age_s is not None and self.max_age_s <= 0:
+            errors.append(f"max_age_s must be > 0, got {self.max_age_s}")
+        if self.reward not in get_args(RewardSource):
+            errors.append(f"reward must be one of {get_args(RewardSource)}, got {self.reward!r}")
+        if (self.reward == "custom") != (self.reward_path is not None):
+            errors.append("reward='custom' and reward_path go together")
+        if self.baseline not in get_args(BaselineKind) or self.baseline_prior_strength < 0:
+            errors.append(f"baseline must be one of {get_args(BaselineKind)} with a prior strength >= 0")
+        if self.mode not in get_args(RoundMode):
+            errors.append(f"mode must be one of {get_args(RoundMode)}, got {self.mode!r}")
+        if errors:
+            raise ValueError("invalid round config: " + "; ".join(errors))
+
+    @property
+    def max_age(self) -> timedelta | None:
+        return None if self.max_age_s is None else timedelta(seconds=self.max_age_s)
+
+    def summary(self) -> dict[str, Any]:
+        """The settings stored on the round's row (no secrets)."""
+        return {
+            "reward": self.reward,
+            "reward_path": self.reward_path,
+            "baseline": self.baseline,
+            "learning_rate": self.learning_rate,
+            "num_steps": self.num_steps,
+            "advantage_estimator": self.train_config.advantage_estimator,
+            "use_tis": self.train_config.loss.use_tis,
+            "kl_loss_coef": self.train_config.loss.kl_loss_coef,
+            "filters": {"tenant_id": self.tenant_id, "end_user": self.end_user, "max_age_s": self.max_age_s},
+            "mode": self.mode,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """How a round ended; ``seconds`` has one entry per stage that ran (see ``STAGES``).
+
+    ``train`` is the whole training child (load, steps, and the checkpoint write with its sha256);
+    ``export`` is re-hashing the written checkpoint and recording its version row; ``swap`` is the
+    server's rolling update as the learner waits for it.
+    """
+
+    status: Literal["succeeded", "nothing_to_learn", "rollout_only", "failed"]
+    round_id: str
+    model: str
+    samples: int = 0
+    reward_mean: float | None = None
+    version_id: str | None = None
+    parent_version_id: str | None = None
+    checkpoint_path: str | None = None
+    watermark_from: int = 0
+    watermark_to: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None

@@ -1,0 +1,47 @@
+"""The gateway's admin weights API: the only way a round changes what serves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from learner.round_config import RoundError
+
+__all__ = ["ServerApi"]
+
+
+class ServerApi:
+    """``GET /admin/weights`` (what serves) and ``POST /admin/weights`` (roll a version out)."""
+
+    def __init__(self, url: str, admin_key: str, timeout_s: float) -> None:
+        self._url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {admin_key}"}
+        self._timeout = timeout_s
+
+    def serving(self) -> dict[str, Any]:
+        """``{"model", "model_path", "version": {... "checkpoint_path"} | None}``."""
+        return self._call("GET", None)
+
+    def roll_out(self, model_path: str, weight_version: str) -> dict[str, Any]:
+        """Returns once every replica serves ``weight_version``.
+
+        Raises:
+            RoundError: the server refused the checkpoint or could not be reached.
+        """
+        return self._call("POST", {"model_path": model_path, "weight_version": weight_version})
+
+    def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            response = httpx.request(
+                method, f"{self._url}/admin/weights", json=body, headers=self._headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise RoundError(f"cannot reach the server at {self._url}: {exc}") from exc
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:500]
+            raise RoundError(f"{method} /admin/weights answered {response.status_code}: {message}")
+        return response.json()
