@@ -1,0 +1,29 @@
+"""The one place that turns Settings into a RoundConfig, so workers and commands train alike."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from learner.round import RoundConfig
+from tandem.settings import Settings
+
+__all__ = ["round_config"]
+
+
+def round_config(
+    settings: Settings, *, server_url: str, admin_key: str, trigger: Literal["manual", "schedule"]
+) -> RoundConfig:
+    """A round against ``server_url`` with the learning settings (``learn_*``, ``round_*``, ``checkpoint_dir``)."""
+    return RoundConfig(
+        server_url=server_url,
+        admin_key=admin_key,
+        database_url=settings.resolved_database_url,
+        checkpoint_dir=settings.resolved_checkpoint_dir,
+        learning_rate=settings.learn_learning_rate,
+        num_steps=settings.learn_steps,
+        num_threads=settings.learn_threads or None,
+        train_timeout_s=settings.learn_train_timeout_s,
+        heartbeat_s=settings.round_heartbeat_s,
+        trigger=trigger,
+        debug_fault=settings.learn_debug_fault,
+    )

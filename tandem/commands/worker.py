@@ -1,0 +1,100 @@
+"""`tandem worker`: a learner worker of the Celery pool, learning for one server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from tandem.logging import configure_logging
+from tandem.settings import Settings
+
+errors = Console(stderr=True)
+log = logging.getLogger("tandem.worker")
+
+BROKER_CHECK_TIMEOUT_S = 5.0
+
+
+def worker_command(
+    server: Annotated[
+        str | None, typer.Option(help="URL of the tandem server to learn for; default: from TANDEM_HOST/TANDEM_PORT.")
+    ] = None,
+    beat: Annotated[
+        bool, typer.Option("--beat/--no-beat", help="Also run beat (the periodic learn_if_due check) in this worker.")
+    ] = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="Rounds at once; a round uses the CPU fully.")] = 1,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR [TANDEM_LOG_LEVEL].")] = None,
+    parent_pid: Annotated[int | None, typer.Option(hidden=True, help="Exit when this process is gone.")] = None,
+) -> None:
+    """Run a learner worker: takes `learn` tasks (and, with --beat, schedules `learn_if_due`).
+
+    The broker is Redis when TANDEM_REDIS_URL is set, else SQLite files in the data dir. Rolling new
+    weights out needs the server's admin key (TANDEM_ADMIN_KEY).
+    """
+    from celery.signals import setup_logging
+    from kombu.exceptions import OperationalError
+
+    from learner.celery_app import QUEUE, broker_urls, create_celery_app
+
+    settings = Settings().with_overrides(log_level=log_level.upper() if log_level else None)
+    configure_logging(settings.log_level, settings.log_format)
+    # A receiver on setup_logging keeps Celery from installing its own handlers over ours.
+    setup_logging.connect(lambda **_: configure_logging(settings.log_level, settings.log_format), weak=False)
+    if settings.admin_key is None:
+        errors.print("[red]tandem worker: set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
+        raise typer.Exit(code=2)
+    server_url = server or settings.local_server_url
+    app = create_celery_app(settings, server_url=server_url)
+    broker = _safe_url(broker_urls(settings)[0])
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1, interval_start=0.5, timeout=BROKER_CHECK_TIMEOUT_S)
+    except (OperationalError, OSError) as exc:
+        errors.print(f"[red]tandem worker: cannot reach the broker {broker}: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(code=2) from exc
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+    log.info("learner worker starting", extra={"server": server_url, "broker": broker, "beat": beat})
+    worker: Any = app.Worker(
+        hostname=f"learner-{os.getpid()}@{socket.gethostname()}",
+        pool="solo" if concurrency == 1 else "prefork",
+        concurrency=concurrency,
+        beat=beat,
+        queues=[QUEUE],
+        loglevel=settings.log_level,
+        quiet=True,
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+    )
+    worker.start()
+    raise typer.Exit(code=worker.exitcode or 0)
+
+
+def _safe_url(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return str(maybe_sanitize_url(url))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Kill this worker's process group (beat, training child) once ``parent_pid`` is gone.
+
+    `tandem serve` stops its worker child on exit; this covers a serve that was SIGKILLed.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            threading.Event().wait(1.0)
+        log.warning("the parent process is gone; the learner worker exits", extra={"parent_pid": parent_pid})
+        if os.getpgrp() == os.getpid():  # our own group (serve starts us in a new session): take it all down
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
