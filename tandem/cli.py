@@ -13,6 +13,7 @@ from tandem.commands.db import db_app
 from tandem.commands.engines import engines_app
 from tandem.commands.keys import keys_app
 from tandem.commands.learn import learn_command
+from tandem.commands.replay import replay_command
 from tandem.logging import configure_logging
 from tandem.settings import Settings
 
@@ -21,6 +22,7 @@ app.add_typer(db_app, name="db", help="Database schema migrations.")
 app.add_typer(keys_app, name="keys", help="Tenant API keys.")
 app.add_typer(engines_app, name="engines", help="Managed engine groups: validate a config and show launch commands.")
 app.command("learn")(learn_command)
+app.command("replay")(replay_command)
 
 Host = Annotated[str | None, typer.Option(help="Address to bind [TANDEM_HOST].")]
 Port = Annotated[int | None, typer.Option(help="Port to bind [TANDEM_PORT].")]
