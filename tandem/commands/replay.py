@@ -35,7 +35,9 @@ def replay_command(
         raise typer.Exit(code=2) from exc
     label = f"training {manifest.get('samples')} samples x {manifest.get('num_steps')} steps (child process)"
     started = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    ) as progress:
         progress.add_task(label, total=None)
         try:
             outcome = replay_batch(batch_dir, out_dir=out, model_dir=model_dir)
