@@ -19,6 +19,7 @@ from server.conversation_log import ConversationLog
 from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
+from server.rollouts import RolloutService
 from server.routes import router
 from server.weights import WeightService
 from storage.api_keys import count_active_api_keys
@@ -111,6 +112,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             app.state.chat = chat
             app.state.completions = CompletionService(conversation_log, sessions)
             app.state.weights = WeightService(serving, sessions)
+            app.state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.rollout_max_concurrency)
             app.state.auth = Authenticator(
                 sessions,
                 admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,

@@ -13,6 +13,11 @@ from typing import Literal, Protocol
 PauseMode = Literal["abort", "retract", "in_place"]
 FinishType = Literal["stop", "length", "abort"]
 
+# Scheduling priority of a request: higher goes first (SGLang's default order). User traffic runs at
+# the default; the learner's rollouts below it, so queued user requests are admitted before them.
+DEFAULT_PRIORITY = 0
+ROLLOUT_PRIORITY = -1
+
 
 class EngineError(Exception):
     """The engine could not serve a request; ``status`` is the HTTP status to report."""
@@ -108,6 +113,7 @@ class Engine(Protocol):
         session_key: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        priority: int = DEFAULT_PRIORITY,
     ) -> AsyncIterator[TokenChunk]: ...
 
     async def health(self) -> bool: ...

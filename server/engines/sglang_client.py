@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from server.engines.base import (
+    DEFAULT_PRIORITY,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
@@ -126,6 +127,7 @@ class SGLangClient:
         session_key: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        priority: int = DEFAULT_PRIORITY,
     ) -> AsyncGenerator[TokenChunk, None]:
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -139,6 +141,10 @@ class SGLangClient:
             body["rid"] = request_id
         if session_key:
             body["routing_key"] = session_key
+        if priority != DEFAULT_PRIORITY:
+            # Honoured by servers started with --enable-priority-scheduling --default-priority-value 0
+            # (managed CPU servers are); others ignore it. User requests keep their body unchanged.
+            body["priority"] = priority
         headers = {"X-SMG-Routing-Key": session_key} if session_key else None
         # A one-piece reply is silent until complete: only the whole-request timeout applies to it.
         timeout = self._timeout if stream else self._silent_timeout

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
-from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
+from server.engines.base import DEFAULT_PRIORITY, Engine, EngineError, SamplingParams, TokenChunk
 from server.engines.local.weights import WeightLoadError
 from server.engines.sglang_protocol import finish_to_json, sampling_from_json, spans_to_json
 
@@ -89,6 +89,9 @@ def _parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParam
     if int(params.get("n", 1)) != 1:
         raise ValueError("sampling_params.n must be 1; send one request per sample")
     top = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0
+    priority = body.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError("priority must be an integer")
     return input_ids, sampling_from_json(params, top), body
 
 
@@ -117,7 +120,15 @@ def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
         result = _Result(rid, tokenizer, bool(body.get("return_logprob")), sampling.top_logprobs)
         # SGLang's routing key (what our gateway sends per session) keys the session prefix cache.
         session_key = body.get("routing_key") or request.headers.get("x-smg-routing-key") or body.get("session_id")
-        chunks = engine.generate(input_ids, sampling, session_key=session_key, request_id=rid)
+        # Higher goes first, as with SGLang's --enable-priority-scheduling; none means the default.
+        priority = body.get("priority")
+        chunks = engine.generate(
+            input_ids,
+            sampling,
+            session_key=session_key,
+            request_id=rid,
+            priority=DEFAULT_PRIORITY if priority is None else priority,
+        )
         try:
             first = await anext(chunks)
         except EngineError as exc:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from server.engines.base import (
+    DEFAULT_PRIORITY,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
@@ -127,13 +128,14 @@ class EnginePool:
         session_key: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        priority: int = DEFAULT_PRIORITY,
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
         failures: list[EngineError] = []
         while True:
             replica = self._route(session_key, exclude=tried, failures=failures)
             tried.add(replica.name)
-            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id, stream)
+            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id, stream, priority)
             delivered = False
             try:
                 if stream:
@@ -186,11 +188,12 @@ class EnginePool:
         session_key: str | None,
         request_id: str | None,
         stream: bool = True,
+        priority: int = DEFAULT_PRIORITY,
     ) -> AsyncGenerator[TokenChunk, None]:
         """One replica's chunks, stamped with its name; counts the request in its load meanwhile."""
         replica.in_flight += 1
         chunks = replica.client.generate(
-            input_ids, sampling, session_key=session_key, request_id=request_id, stream=stream
+            input_ids, sampling, session_key=session_key, request_id=request_id, stream=stream, priority=priority
         )
         first = True
         try:

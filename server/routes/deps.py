@@ -15,6 +15,7 @@ from server.auth import CurrentIdentity, Identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.errors import ApiError
+from server.rollouts import RolloutService
 from server.weights import WeightService
 
 
@@ -28,6 +29,10 @@ async def _completions(request: Request) -> CompletionService:
 
 async def _weights(request: Request) -> WeightService:
     return request.app.state.weights
+
+
+async def _rollouts(request: Request) -> RolloutService:
+    return request.app.state.rollouts
 
 
 async def _admin(identity: CurrentIdentity) -> Identity:
@@ -46,6 +51,7 @@ async def log_fields(request: Request) -> dict[str, Any]:
 ChatDep = Annotated[ChatService, Depends(_chat)]
 CompletionsDep = Annotated[CompletionService, Depends(_completions)]
 WeightsDep = Annotated[WeightService, Depends(_weights)]
+RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 AdminDep = Annotated[Identity, Depends(_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 

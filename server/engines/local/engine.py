@@ -27,6 +27,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 
 from server.engines.base import (
+    DEFAULT_PRIORITY,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
@@ -140,6 +141,7 @@ class LocalEngine:
         session_key: str | None = None,
         request_id: str | None = None,
         stream: bool = True,  # a transport hint for HTTP backends; in-process chunks cost nothing
+        priority: int = DEFAULT_PRIORITY,
     ) -> AsyncIterator[TokenChunk]:
         if not input_ids:
             raise EngineError("input_ids must not be empty", 400)
@@ -151,14 +153,16 @@ class LocalEngine:
         vocab = self._model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise EngineError(f"token ids must be in [0, {vocab})", 400)
-        seq = Sequence.create(request_id or uuid.uuid4().hex, input_ids, sampling, session_key, self._tokenizer)
+        seq = Sequence.create(
+            request_id or uuid.uuid4().hex, input_ids, sampling, session_key, self._tokenizer, priority
+        )
         with self._cond:
             if self._stopping:
                 raise EngineUnavailable("the engine is shutting down")
             if self._in_flight >= self._max_queued:
                 raise EngineOverloaded()
             self._in_flight += 1
-            self._waiting.append(seq)
+            self._enqueue(seq)
             self._cond.notify()
         try:
             while True:
@@ -207,6 +211,24 @@ class LocalEngine:
             self._stopping = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
+
+    @property
+    def running(self) -> int:
+        """Requests in the decode batch now (finished ones leave it in the step that ends them)."""
+        return len(self._running)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting request of its priority or higher (call under the lock).
+
+        Admission takes the queue from the front, so waiting lower-priority requests (rollouts) are
+        admitted after it; running ones are never preempted.
+        """
+        waiting = self._waiting
+        if not waiting or waiting[-1].priority >= seq.priority:  # the common case: all one priority
+            waiting.append(seq)
+            return
+        position = next(i for i, queued in enumerate(waiting) if queued.priority < seq.priority)
+        waiting.insert(position, seq)
 
     # ---- the engine thread ----
 

@@ -25,6 +25,7 @@ class Sequence:
     cached_tokens: int = 0
     finish: Finish | None = None
     cancelled: bool = False
+    priority: int = 0  # admission order only: higher is admitted first, running requests stay
 
     @classmethod
     def create(
@@ -34,12 +35,23 @@ class Sequence:
         sampling: SamplingParams,
         session_key: str | None,
         tokenizer: Decoder,
+        priority: int = 0,
     ) -> Sequence:
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         # Stop strings are matched on text, so only those requests pay for detokenizing.
         detokenizer = IncrementalDetokenizer(tokenizer) if sampling.stop else None
         loop = asyncio.get_running_loop()
-        return cls(request_id, list(input_ids), sampling, session_key, loop, asyncio.Queue(), generator, detokenizer)
+        return cls(
+            request_id,
+            list(input_ids),
+            sampling,
+            session_key,
+            loop,
+            asyncio.Queue(),
+            generator,
+            detokenizer,
+            priority=priority,
+        )
 
     @property
     def done(self) -> bool:

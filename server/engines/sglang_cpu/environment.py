@@ -14,6 +14,9 @@ Found by running the real server on a CPU-only machine (shared/reference/engines
 * ``--sleep-on-idle``: an idle scheduler otherwise busy-polls its sockets and keeps one core at
   100 %; with it the scheduler blocks in ``zmq.Poller.poll`` until work arrives (measured on
   2 cores: 93-101 % -> 2 % idle CPU; a 1-token request took 13 ms at best with it, 15 ms without).
+* ``--enable-priority-scheduling --default-priority-value 0``: requests that name no priority
+  (user traffic) run at 0, and the learner's rollouts (``priority`` -1) wait behind them in the
+  queue; a difference of 1 is under the preemption threshold (10), so running rollouts stay.
 
 The dtype is left to the caller: ``--dtype float32`` makes greedy output match a float32
 transformers reference bit for bit on a tiny random model, whose near-uniform logits bf16 can tie.
@@ -39,6 +42,9 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--mem-fraction-static",
     "0.3",
     "--sleep-on-idle",
+    "--enable-priority-scheduling",
+    "--default-priority-value",
+    "0",
 )
 """Flags for ``python -m sglang.launch_server`` on the CPU, after the model and address flags."""
 
