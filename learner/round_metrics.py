@@ -35,7 +35,17 @@ WANDB_MISSING = (
 )
 
 ROLLOUT_NAMES = frozenset(
-    {"reward_mean", "reward_std", "reward_sum", "reward_count", "baseline", "advantage_abs_mean", "samples"}
+    {
+        "samples",
+        "reward_mean",
+        "reward_std",
+        "reward_sum",
+        "reward_count",
+        "baseline",
+        "baseline_mean",
+        "advantage_abs_mean",
+        "response_length_mean",
+    }
 )
 TRAIN_NAMES = frozenset(
     {

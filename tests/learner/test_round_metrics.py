@@ -92,8 +92,16 @@ def test_a_model_name_with_slashes_is_one_folder(tmp_path: Path) -> None:
 
 
 def test_unknown_and_grouped_names(tmp_path: Path) -> None:
-    scalars = round_scalars({"samples": 3, "perf/x": 2.5, "mystery": 1, "loss": float("nan")}, {"swap": 4})
-    assert scalars.keys() == {"rollout/samples", "perf/x", "round/mystery", "train/loss", "time/swap_s"}
+    metrics = {"samples": 3, "baseline_mean": 0.1, "perf/x": 2.5, "mystery": 1, "loss": float("nan")}
+    scalars = round_scalars(metrics, {"swap": 4})
+    assert scalars.keys() == {
+        "rollout/samples",
+        "rollout/baseline_mean",
+        "perf/x",
+        "round/mystery",
+        "train/loss",
+        "time/swap_s",
+    }
 
 
 def test_a_failing_sink_warns_and_does_not_raise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
