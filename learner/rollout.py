@@ -1,0 +1,393 @@
+"""Rollout: n fresh responses per prompt from the serving weights, through the gateway, so GRPO gets real groups.
+
+The learner never talks to engines: it asks the gateway (``POST /admin/rollouts``, admin key), which
+samples at low priority with its own bound on rollout sequences (``rollout_max_concurrency``), so
+users keep their latency. Here ``RolloutConfig.concurrency`` bounds the prompts in flight as well.
+
+Extension points, as in slime:
+
+- ``custom_generate_path``: ``async (args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]``
+  replaces the default generate, called ``n_samples_per_prompt`` times per prompt on a fresh copy of
+  the prompt sample; ``args`` is a ``RolloutArgs`` whose ``client`` already points at the gateway.
+- ``rollout_path``: ``(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`` (or an
+  object with ``.samples``, like slime's ``RolloutFnTrainOutput``) replaces the whole rollout;
+  ``data_source`` is the list of prompt samples.
+
+Usage from the round (sync code)::
+
+    groups = rollout_groups(server_url, admin_key, prompts, RolloutConfig(n_samples_per_prompt=4))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from learner.plugins import HookKind, Plugin, load_plugin
+from learner.sample import Sample, SampleStatus
+
+__all__ = ["RolloutArgs", "RolloutConfig", "RolloutError", "rollout_group", "rollout_groups", "sampling_params"]
+
+log = logging.getLogger(__name__)
+
+MAX_SAMPLES_PER_PROMPT = 64  # the gateway's limit on n
+_RETRY_STATUSES = (429, 503)  # a full engine queue, an aborted sample: worth another try
+
+
+class RolloutError(Exception):
+    """Rollout failed: the gateway is unreachable, refused the request, or answered something unreadable.
+
+    ``status`` is the HTTP status when the gateway answered, else None.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    """How to sample each prompt's group.
+
+    Attributes:
+        n_samples_per_prompt: responses per prompt (the GRPO group size).
+        max_new_tokens: at most this many tokens per response.
+        temperature, top_p, top_k: sampling (top_k -1: off). The logged logprobs are of the
+            temperature-scaled distribution, as SGLang reports them.
+        concurrency: prompts in flight at once from this client.
+        timeout: seconds for one prompt's whole group.
+        retries: further attempts when the gateway answers 429 or 503.
+        seed: per-prompt seeds derive from it (prompt i: seed + i * n) for reproducible rollouts.
+        custom_generate_path: a CUSTOM_GENERATE plugin replacing the default generate.
+        rollout_path: a ROLLOUT plugin replacing the whole rollout.
+    """
+
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    concurrency: int = 4
+    timeout: float = 600.0
+    retries: int = 2
+    seed: int | None = None
+    custom_generate_path: str | None = None
+    rollout_path: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.n_samples_per_prompt <= MAX_SAMPLES_PER_PROMPT:
+            problems.append(f"n_samples_per_prompt must be in [1, {MAX_SAMPLES_PER_PROMPT}]")
+        if self.max_new_tokens < 1:
+            problems.append("max_new_tokens must be at least 1")
+        if not 0 <= self.temperature <= 2:
+            problems.append("temperature must be in [0, 2]")
+        if not 0 < self.top_p <= 1:
+            problems.append("top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append("top_k must be -1 (off) or positive")
+        if self.concurrency < 1:
+            problems.append("concurrency must be at least 1")
+        if self.timeout <= 0:
+            problems.append("timeout must be > 0")
+        if self.retries < 0:
+            problems.append("retries must be >= 0")
+        if problems:
+            raise ValueError("invalid RolloutConfig: " + "; ".join(problems))
+        # Load the plugins now: a wrong path or signature fails at config time, not mid-round.
+        if self.custom_generate_path is not None:
+            load_plugin(self.custom_generate_path, HookKind.CUSTOM_GENERATE)
+        if self.rollout_path is not None:
+            load_plugin(self.rollout_path, HookKind.ROLLOUT)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutArgs:
+    """What rollout plugins get as ``args`` (slime's namespace; read-only here).
+
+    ``client`` is an ``httpx.AsyncClient`` on the gateway with the admin key set (None for a
+    ROLLOUT plugin, which runs outside this module's event loop and opens its own from
+    ``server_url`` and ``admin_key``).
+    """
+
+    config: RolloutConfig
+    server_url: str
+    admin_key: str
+    client: httpx.AsyncClient | None = None
+
+    # slime's names for the same settings, for plugins written against slime
+    @property
+    def n_samples_per_prompt(self) -> int:
+        return self.config.n_samples_per_prompt
+
+    @property
+    def rollout_max_response_len(self) -> int:
+        return self.config.max_new_tokens
+
+    @property
+    def rollout_temperature(self) -> float:
+        return self.config.temperature
+
+    @property
+    def rollout_top_p(self) -> float:
+        return self.config.top_p
+
+    @property
+    def rollout_top_k(self) -> int:
+        return self.config.top_k
+
+
+def sampling_params(config: RolloutConfig) -> dict[str, Any]:
+    """slime's ``sampling_params`` dict, as a custom generate function receives it."""
+    return {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "max_new_tokens": config.max_new_tokens,
+    }
+
+
+async def rollout_group(
+    client: httpx.AsyncClient,
+    prompt: Sample,
+    config: RolloutConfig,
+    group_index: int,
+    *,
+    seed: int | None = None,
+) -> list[Sample]:
+    """``config.n_samples_per_prompt`` fresh samples of ``prompt``'s prompt from the serving weights.
+
+    Args:
+        client: an ``httpx.AsyncClient`` with ``base_url`` the gateway and the admin key header.
+        prompt: its ``prompt_token_ids`` are sampled (its response, if any, is not used).
+        config: sampling, and the custom generate plugin if one is set.
+        group_index: set on every returned sample.
+        seed: the first sample's seed (sample i gets seed + i); None: unseeded.
+
+    Returns:
+        The samples (status COMPLETED or TRUNCATED, metadata ``source`` "rollout"); an empty list
+        when the prompt leaves no room in the model's context for a response.
+
+    Raises:
+        RolloutError: the gateway is unreachable, refused the request, or answered unreadably.
+        PluginError: a custom generate plugin returned something other than samples.
+    """
+    if config.custom_generate_path is not None:
+        plugin = load_plugin(config.custom_generate_path, HookKind.CUSTOM_GENERATE)
+        return await _plugin_group(plugin, client, prompt, config, group_index)
+    body: dict[str, Any] = {
+        "input_ids": list(prompt.prompt_token_ids),
+        "n": config.n_samples_per_prompt,
+        "max_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    if prompt.session_id:
+        body["session_id"] = prompt.session_id  # same replica as the user's session: its cache has the prompt
+    answer = await _post(client, body, config)
+    if answer is None:
+        return []
+    try:
+        return [_sample(prompt, choice, group_index) for choice in answer["choices"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RolloutError(f"POST /admin/rollouts answered an unreadable body: {exc!r}") from exc
+
+
+def rollout_groups(
+    server_url: str,
+    admin_key: str,
+    prompts: Sequence[Sample],
+    config: RolloutConfig,
+    *,
+    rollout_id: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[list[Sample]]:
+    """Per prompt, in order, its group of fresh samples (call from sync code: it runs its own event loop).
+
+    Args:
+        server_url: the gateway, e.g. ``http://127.0.0.1:8000``.
+        admin_key: the gateway's admin key.
+        prompts: prompt samples (e.g. from ``learner.collect``); prompt ``i`` gets ``group_index`` i.
+        config: sampling, concurrency and plugins.
+        rollout_id: passed to a ROLLOUT plugin.
+        on_progress: called with (groups done, groups in all) after each group.
+
+    Raises:
+        RolloutError: see ``rollout_group``; the first failure cancels the other groups.
+        PluginError: a plugin returned the wrong shape.
+    """
+    if config.rollout_path is not None:
+        return _run_rollout_plugin(server_url, admin_key, prompts, config, rollout_id)
+    return asyncio.run(_rollout_all(server_url, admin_key, list(prompts), config, on_progress))
+
+
+async def _rollout_all(
+    server_url: str,
+    admin_key: str,
+    prompts: list[Sample],
+    config: RolloutConfig,
+    on_progress: Callable[[int, int], None] | None,
+) -> list[list[Sample]]:
+    slots = asyncio.Semaphore(config.concurrency)
+    done = 0
+    n = config.n_samples_per_prompt
+
+    async def one(client: httpx.AsyncClient, index: int, prompt: Sample) -> list[Sample]:
+        nonlocal done
+        async with slots:
+            seed = None if config.seed is None else config.seed + index * n
+            group = await rollout_group(client, prompt, config, index, seed=seed)
+        done += 1
+        if on_progress is not None:
+            on_progress(done, len(prompts))
+        return group
+
+    async with _client(server_url, admin_key, config) as client:
+        tasks = [asyncio.ensure_future(one(client, i, p)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _client(server_url: str, admin_key: str, config: RolloutConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=server_url.rstrip("/"),
+        headers={"Authorization": f"Bearer {admin_key}"},
+        timeout=config.timeout,
+        # One connection per prompt in flight; the gateway bounds the engine work itself.
+        limits=httpx.Limits(max_connections=config.concurrency),
+    )
+
+
+async def _post(client: httpx.AsyncClient, body: dict[str, Any], config: RolloutConfig) -> dict[str, Any] | None:
+    """The gateway's answer; None when the prompt has no room left in the context."""
+    for attempt in range(config.retries + 1):
+        try:
+            response = await client.post("/admin/rollouts", json=body)
+        except httpx.HTTPError as exc:
+            raise RolloutError(f"cannot reach the gateway at {client.base_url}: {exc!r}") from exc
+        if response.status_code == 200:
+            try:
+                return dict(response.json())
+            except ValueError as exc:
+                raise RolloutError(f"POST /admin/rollouts answered non-JSON: {response.text[:200]!r}") from exc
+        error = _error(response)
+        if response.status_code == 400 and error.get("code") == "context_length_exceeded":
+            log.warning("rollout prompt skipped: no room for a response", extra={"error": error.get("message")})
+            return None
+        if response.status_code not in _RETRY_STATUSES or attempt == config.retries:
+            message = error.get("message") or response.text[:300]
+            raise RolloutError(f"POST /admin/rollouts answered {response.status_code}: {message}", response.status_code)
+        await asyncio.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _versions_in_order(spans: list[dict[str, Any]]) -> list[str]:
+    versions: list[str] = []
+    for span in sorted(spans, key=lambda span: int(span["start"])):
+        if not versions or versions[-1] != span["version"]:
+            versions.append(str(span["version"]))
+    return versions
+
+
+def _sample(prompt: Sample, choice: dict[str, Any], group_index: int) -> Sample:
+    spans = list(choice["weight_versions"])
+    return Sample(
+        prompt_token_ids=list(prompt.prompt_token_ids),
+        response_token_ids=[int(t) for t in choice["output_ids"]],
+        group_index=group_index,
+        prompt=prompt.prompt,
+        response=str(choice["text"]),
+        label=prompt.label,
+        rollout_log_probs=[float(lp) for lp in choice["logprobs"]],
+        weight_versions=_versions_in_order(spans),
+        status=SampleStatus.TRUNCATED if choice["finish_reason"] == "length" else SampleStatus.COMPLETED,
+        user_id=prompt.user_id,
+        session_id=prompt.session_id,
+        metadata=_metadata(prompt, choice_index=int(choice["index"]), weight_spans=spans),
+    )
+
+
+def _metadata(prompt: Sample, **extra: Any) -> dict[str, Any]:
+    # The prompt's own feedback rated another response, so it is not carried over.
+    return {
+        "source": "rollout",
+        "prompt_completion_id": prompt.completion_id,
+        "tenant_id": prompt.metadata.get("tenant_id"),
+        **extra,
+    }
+
+
+def _fresh(prompt: Sample, group_index: int, choice_index: int) -> Sample:
+    """The prompt alone, ready for a custom generate function to fill in a response."""
+    return Sample(
+        prompt_token_ids=list(prompt.prompt_token_ids),
+        group_index=group_index,
+        prompt=prompt.prompt,
+        label=prompt.label,
+        user_id=prompt.user_id,
+        session_id=prompt.session_id,
+        metadata=_metadata(prompt, choice_index=choice_index),
+    )
+
+
+async def _plugin_group(
+    plugin: Plugin, client: httpx.AsyncClient, prompt: Sample, config: RolloutConfig, group_index: int
+) -> list[Sample]:
+    args = RolloutArgs(config, str(client.base_url), _admin_key(client), client)
+    params = sampling_params(config)
+    samples: list[Sample] = []
+    for choice_index in range(config.n_samples_per_prompt):
+        result = await plugin.call(args, _fresh(prompt, group_index, choice_index), dict(params), evaluation=False)
+        produced = result if isinstance(result, list) else [result]
+        if not produced or not all(isinstance(s, Sample) for s in produced):
+            raise plugin.error(f"returned {type(result).__name__}, not a Sample or a non-empty list of them")
+        for sample in produced:
+            sample.group_index = group_index
+            sample.validate()
+        samples.extend(produced)
+    return samples
+
+
+def _admin_key(client: httpx.AsyncClient) -> str:
+    return client.headers.get("authorization", "").removeprefix("Bearer ")
+
+
+def _run_rollout_plugin(
+    server_url: str, admin_key: str, prompts: Sequence[Sample], config: RolloutConfig, rollout_id: int
+) -> list[list[Sample]]:
+    plugin = load_plugin(config.rollout_path or "", HookKind.ROLLOUT)
+    args = RolloutArgs(config, server_url, admin_key)
+    result = plugin.call(args, rollout_id, list(prompts), evaluation=False)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    groups = getattr(result, "samples", result)
+    if not isinstance(groups, list) or not all(
+        isinstance(group, list) and all(isinstance(s, Sample) for s in group) for group in groups
+    ):
+        raise plugin.error(f"returned {type(result).__name__}, not list[list[Sample]]")
+    return groups
+
+
+async def _awaited(result: Any) -> Any:
+    return await result
