@@ -52,8 +52,7 @@ def broker_urls(settings: Settings) -> tuple[str, str]:
 def create_celery_app(settings: Settings, *, server_url: str | None = None) -> LearnerCelery:
     """The app for a worker (``server_url`` given) or for sending tasks (``server_url=None``)."""
     broker, backend = broker_urls(settings)
-    if not settings.redis_url:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)  # SQLite creates files, not folders
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # SQLite and beat create files, not folders
     app = LearnerCelery(settings, server_url=server_url, include=["learner.tasks"])
     interval = settings.learn_check_interval_s
     app.conf.update(

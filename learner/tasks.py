@@ -29,6 +29,7 @@ from learner.round import RoundError, RoundResult, run_round
 from learner.round_settings import round_config
 from storage import (
     RoundBusyError,
+    TrainingRoundView,
     count_feedback_since,
     fail_stale_rounds,
     last_watermark,
@@ -110,21 +111,29 @@ def learn_if_due_now(settings: Settings, *, server_url: str, admin_key: str) -> 
             latest = list_rounds(session, model=model, limit=1)
     finally:
         dispose()
-    not_due: dict[str, Any] = {"status": "not_due", "model": model, "new_feedback": new}
-    if new < settings.learn_min_feedback:
-        return {**not_due, "reason": f"{new} of {settings.learn_min_feedback} rated answers"}
-    if latest:
-        if latest[0].status in ("queued", "running"):
-            return {**not_due, "reason": f"round {latest[0].id} is {latest[0].status}"}
-        elapsed = (utcnow() - (latest[0].started_at or latest[0].created_at)).total_seconds()
-        if elapsed < settings.learn_min_interval_s:
-            return {**not_due, "reason": f"the last round started {elapsed:.0f} s ago"}
+    reason = _not_due_reason(settings, new, latest[0] if latest else None)
+    if reason is not None:
+        log.debug("learn_if_due: not due", extra={"model": model, "new_feedback": new, "reason": reason})
+        return {"status": "not_due", "model": model, "new_feedback": new, "reason": reason}
     try:
         return _run(settings, server_url, admin_key, "schedule")
     except RoundError as exc:
         if isinstance(exc.__cause__, RoundBusyError):
             return _busy(exc)
         raise
+
+
+def _not_due_reason(settings: Settings, new_feedback: int, latest: TrainingRoundView | None) -> str | None:
+    if new_feedback < settings.learn_min_feedback:
+        return f"{new_feedback} of {settings.learn_min_feedback} rated answers"
+    if latest is None:
+        return None
+    if latest.status in ("queued", "running"):
+        return f"round {latest.id} is {latest.status}"
+    elapsed = (utcnow() - (latest.started_at or latest.created_at)).total_seconds()
+    if elapsed < settings.learn_min_interval_s:
+        return f"the last round started {elapsed:.0f} s ago"
+    return None
 
 
 def serving_model(server_url: str, admin_key: str, timeout_s: float = 30.0) -> str:

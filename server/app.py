@@ -117,6 +117,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
                 sessions,
                 admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
                 loopback=settings.binds_loopback,
+                internal_key=settings.internal_admin_key.get_secret_value() if settings.internal_admin_key else None,
             )
             info = serving.model_info()
             logger.info(

@@ -14,6 +14,7 @@ from tandem.commands.engines import engines_app
 from tandem.commands.keys import keys_app
 from tandem.commands.learn import learn_command
 from tandem.commands.replay import replay_command
+from tandem.commands.worker import worker_command
 from tandem.logging import configure_logging
 from tandem.settings import Settings
 
@@ -23,6 +24,7 @@ app.add_typer(keys_app, name="keys", help="Tenant API keys.")
 app.add_typer(engines_app, name="engines", help="Managed engine groups: validate a config and show launch commands.")
 app.command("learn")(learn_command)
 app.command("replay")(replay_command)
+app.command("worker")(worker_command)
 
 Host = Annotated[str | None, typer.Option(help="Address to bind [TANDEM_HOST].")]
 Port = Annotated[int | None, typer.Option(help="Port to bind [TANDEM_PORT].")]
@@ -64,6 +66,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API; upgrades the database schema first."""
     from server.app import StartupError, create_app
+    from tandem.worker_child import attach_worker_child, with_internal_key
 
     settings = Settings().with_overrides(
         host=host,
@@ -76,11 +79,13 @@ def serve(
     )
     configure_logging(settings.log_level, settings.log_format)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings = with_internal_key(settings)
     try:
         api = create_app(settings)
     except StartupError as exc:
         typer.secho(f"tandem serve: {exc}", fg="red", err=True)
         raise typer.Exit(2) from exc
+    attach_worker_child(api, settings)  # learner = "embedded": a learner worker for serve's lifetime
     _run(api, settings)
 
 

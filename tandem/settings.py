@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -70,6 +70,30 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "console"] = "json"
 
+    # Learner pool (docs/learner-pool.md): Celery over Redis, or an embedded SQLite broker.
+    learner: Literal["embedded", "off"] = Field(
+        "embedded", description="embedded: `tandem serve` runs one learner worker (with beat) as its child"
+    )
+    redis_url: str = Field("", description="Celery broker and results; empty: SQLite files in the data dir")
+    redis_key_prefix: str = Field("", description="prefix of every Redis key, to share one Redis between deployments")
+    celery_visibility_timeout_s: float = Field(
+        7200.0, gt=0, description="an unacknowledged task is redelivered after this; keep it above the longest round"
+    )
+    learn_check_interval_s: float = Field(10.0, gt=0, description="how often beat asks whether a round is due")
+    learn_min_feedback: int = Field(8, ge=1, description="new rated answers since the watermark that make a round due")
+    learn_min_interval_s: float = Field(60.0, ge=0, description="at least this long between scheduled round starts")
+    learn_learning_rate: float = Field(1e-6, gt=0)
+    learn_steps: int = Field(1, ge=1)
+    learn_threads: int = Field(0, ge=0, description="torch CPU threads for training; 0 = torch's default")
+    learn_train_timeout_s: float = Field(3600.0, gt=0)
+    checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
+    round_heartbeat_s: float = Field(30.0, gt=0)
+    round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")
+    learn_debug_fault: Literal["exit", "hang"] | None = Field(None, description="tests only: make training fail")
+    internal_admin_key: SecretStr | None = Field(
+        None, description="set by `tandem serve` for its own learner child when no admin key is configured"
+    )
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -88,6 +112,12 @@ class Settings(BaseSettings):
             return [u.strip() for u in value.split(",") if u.strip()]
         return value
 
+    @model_validator(mode="after")
+    def _stale_after_missed_beats(self) -> Settings:
+        if self.round_stale_timeout_s <= 2 * self.round_heartbeat_s:
+            raise ValueError("round_stale_timeout_s must exceed two round heartbeats (round_heartbeat_s)")
+        return self
+
     @field_validator("wandb_project")
     @classmethod
     def _wandb_installed(cls, value: str) -> str:
@@ -102,6 +132,18 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'tandem.db'}"
+
+    @property
+    def resolved_checkpoint_dir(self) -> Path:
+        return self.checkpoint_dir or self.data_dir / "checkpoints"
+
+    @property
+    def local_server_url(self) -> str:
+        """The gateway's URL from this machine (a wildcard bind is reached on loopback)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else "[::1]" if self.host == "::" else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     @property
     def journal_dir(self) -> Path:

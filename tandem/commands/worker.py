@@ -19,6 +19,7 @@ errors = Console(stderr=True)
 log = logging.getLogger("tandem.worker")
 
 BROKER_CHECK_TIMEOUT_S = 5.0
+QUIET_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace", "httpx")
 
 
 def worker_command(
@@ -43,9 +44,9 @@ def worker_command(
     from learner.celery_app import QUEUE, broker_urls, create_celery_app
 
     settings = Settings().with_overrides(log_level=log_level.upper() if log_level else None)
-    configure_logging(settings.log_level, settings.log_format)
     # A receiver on setup_logging keeps Celery from installing its own handlers over ours.
-    setup_logging.connect(lambda **_: configure_logging(settings.log_level, settings.log_format), weak=False)
+    setup_logging.connect(lambda **_: _configure_worker_logging(settings), weak=False)
+    _configure_worker_logging(settings)
     if settings.admin_key is None:
         errors.print("[red]tandem worker: set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
         raise typer.Exit(code=2)
@@ -75,6 +76,15 @@ def worker_command(
     )
     worker.start()
     raise typer.Exit(code=worker.exitcode or 0)
+
+
+def _configure_worker_logging(settings: Settings) -> None:
+    configure_logging(settings.log_level, settings.log_format)
+    if settings.log_level != "DEBUG":
+        # Beat's check runs every few seconds: its sending, receipt and HTTP call are not news.
+        # Rounds log their own start and end; failures still come through at ERROR.
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _safe_url(url: str) -> str:

@@ -1,0 +1,319 @@
+"""The learner pool end to end: real `tandem worker` processes on the machine's Redis, and `tandem serve`
+with its embedded worker on SQLite.
+
+Each test has its own gateway (in-thread uvicorn, local engine, tiny model, SQLite) and its own Redis
+key prefix, deleted afterwards, so runs in parallel do not meet. Timings come from settings: beat
+every second, heartbeats every half second, a round stale after 3 s.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+import redis
+import torch
+
+from learner.celery_app import LEARN, LEARN_IF_DUE, LearnerCelery, create_celery_app
+from storage import last_watermark, list_rounds, list_versions
+from tandem.settings import Settings
+from tests.e2e.processes import start_tandem
+from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
+from tests.fixtures.tiny_model import tiny_model_path
+from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+
+pytestmark = pytest.mark.slow
+
+REDIS = "redis://127.0.0.1:6379/0"
+TASK_TIMEOUT_S = 90
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A key prefix of this test's own on the local Redis; its keys are deleted afterwards."""
+    client = redis.Redis.from_url(REDIS, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        message = f"Redis at {REDIS} is unreachable: {exc}"
+        if _in_ci():
+            pytest.fail(f"{message}; CI must run the learner pool tests", pytrace=False)
+        pytest.skip(message)
+    prefix = f"tandem-test-{secrets.token_hex(6)}:"
+    try:
+        yield prefix
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Gateway]:
+    torch.set_num_threads(1)
+    (tmp_path / "gateway").mkdir()
+    settings = gateway_settings(tmp_path / "gateway", tiny_model_path(), admin_key=ADMIN_KEY)
+    with run_gateway(settings, tenants=("e2e",)) as gw:
+        yield gw
+
+
+def learner_env(gateway: Gateway, data_dir: Path, prefix: str, **overrides: str) -> dict[str, str]:
+    """The environment of this test's workers (and the settings of its task sender)."""
+    return {
+        "TANDEM_DATA_DIR": str(data_dir),
+        "TANDEM_DATABASE_URL": gateway.settings.resolved_database_url,
+        "TANDEM_ADMIN_KEY": ADMIN_KEY,
+        "TANDEM_REDIS_URL": REDIS,
+        "TANDEM_REDIS_KEY_PREFIX": prefix,
+        "TANDEM_LEARN_LEARNING_RATE": str(LEARNING_RATE),
+        "TANDEM_LEARN_THREADS": "1",
+        "TANDEM_LEARN_CHECK_INTERVAL_S": "1",
+        "TANDEM_LEARN_MIN_FEEDBACK": "3",
+        "TANDEM_LEARN_MIN_INTERVAL_S": "0",
+        "TANDEM_ROUND_HEARTBEAT_S": "0.5",
+        "TANDEM_ROUND_STALE_TIMEOUT_S": "3",
+        "TANDEM_CELERY_VISIBILITY_TIMEOUT_S": "2",
+        "TANDEM_LOG_FORMAT": "console",
+        "TANDEM_TORCH_THREADS": "1",
+        **overrides,
+    }
+
+
+def sender(env: dict[str, str]) -> LearnerCelery:
+    """A Celery app that sends tasks to the workers started with ``env``."""
+    fields = {name.removeprefix("TANDEM_").lower(): value for name, value in env.items()}
+    return create_celery_app(Settings(**fields))
+
+
+class Worker:
+    """A `tandem worker` process leading its own process group (beat and training children included)."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+        self.log = log
+        with log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "worker", "--server", args[0], *args[1:]],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+            )
+        wait_for(lambda: " ready." in log.read_text() or self.popen.poll() is not None, 60, "the worker to start")
+        assert self.popen.poll() is None, log.read_text()[-3000:]
+
+    def group(self) -> list[psutil.Process]:
+        """Live processes of the worker's group (a killed child may linger as a zombie until reaped)."""
+        return [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == self.popen.pid and _alive(p)]
+
+    def kill_group(self) -> None:
+        os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(env: dict[str, str], server: str, *args: str) -> Worker:
+        worker = Worker(env, tmp_path / f"worker-{len(started)}.log", server, *args)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def weight_version(url: str) -> str:
+    return str(httpx.get(f"{url}/health", timeout=10).json()["weight_version"])
+
+
+def test_learn_task_runs_a_round_and_the_server_serves_it(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    env = learner_env(gateway, tmp_path / "learner", redis_prefix)
+    workers(env, gateway.url)
+    chat_and_rate(gateway, [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Say hi.", "up")])
+
+    result: dict[str, Any] = sender(env).send_task(LEARN).get(timeout=TASK_TIMEOUT_S)
+
+    assert result["status"] == "succeeded", result
+    assert result["samples"] == 3 and result["watermark_from"] == 0 and result["watermark_to"] > 0
+    assert set(result["seconds"]) == {"collect", "reward", "train", "export", "swap"}
+    assert weight_version(gateway.url) == result["version_id"]
+    client = gateway.client(gateway.keys["e2e"])
+    reply = client.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}])
+    assert reply.system_fingerprint == result["version_id"]
+    with gateway.sessions()() as session:
+        (round_row,) = list_rounds(session, model=gateway.model)
+    assert round_row.trigger == "manual" and round_row.produced_version_id == result["version_id"]
+    # Nothing new since: a second task ends "nothing to learn" and serving stays.
+    again = sender(env).send_task(LEARN).get(timeout=TASK_TIMEOUT_S)
+    assert again["status"] == "nothing_to_learn" and again["version_id"] is None
+    assert weight_version(gateway.url) == result["version_id"]
+
+
+def test_learn_if_due_waits_for_enough_feedback_and_the_interval(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    env = learner_env(gateway, tmp_path / "learner", redis_prefix, TANDEM_LEARN_MIN_INTERVAL_S="600")
+    workers(env, gateway.url, "--beat")
+    app = sender(env)
+    chat_and_rate(gateway, [("Name a colour.", "up"), ("Name a fruit.", "down")])
+
+    not_yet = app.send_task(LEARN_IF_DUE).get(timeout=TASK_TIMEOUT_S)
+    assert not_yet["status"] == "not_due" and not_yet["new_feedback"] == 2, not_yet
+    time.sleep(2)  # two more of beat's checks, which must not start a round either
+    with gateway.sessions()() as session:
+        assert list_rounds(session, model=gateway.model) == ()
+    assert weight_version(gateway.url) == "default"
+
+    chat_and_rate(gateway, [("Name a tree.", "up")])
+    wait_for(lambda: weight_version(gateway.url) != "default", TASK_TIMEOUT_S, "beat's round to roll out")
+    with gateway.sessions()() as session:
+        (round_row,) = list_rounds(session, model=gateway.model)
+    assert round_row.status == "succeeded" and round_row.trigger == "schedule"
+    assert round_row.samples_trained == 3 and round_row.produced_version_id == weight_version(gateway.url)
+
+    # Enough feedback again, but the last round started less than learn_min_interval_s ago.
+    chat_and_rate(gateway, [("One.", "up"), ("Two.", "down"), ("Three.", "up")])
+    too_soon = app.send_task(LEARN_IF_DUE).get(timeout=TASK_TIMEOUT_S)
+    assert too_soon["status"] == "not_due" and too_soon["new_feedback"] == 3
+    assert "last round started" in too_soon["reason"]
+    with gateway.sessions()() as session:
+        assert len(list_rounds(session, model=gateway.model)) == 1
+
+
+def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    env = learner_env(gateway, tmp_path / "learner", redis_prefix)
+    chat_and_rate(gateway, [("Is water wet?", "up"), ("Is fire cold?", "down"), ("Is ice hot?", "down")])
+    doomed = workers({**env, "TANDEM_LEARN_DEBUG_FAULT": "hang"}, gateway.url)
+    task = sender(env).send_task(LEARN)
+
+    def running() -> bool:
+        with gateway.sessions()() as session:
+            return bool(list_rounds(session, model=gateway.model, status="running"))
+
+    wait_for(running, TASK_TIMEOUT_S, "the doomed worker's round to start")
+    wait_for(lambda: len(doomed.group()) >= 2, 30, "the training child to hang")  # worker + training child
+    time.sleep(1)  # the training child is loading the model, past any chance of finishing
+    doomed.kill_group()
+    assert doomed.group() == []
+
+    workers(env, gateway.url)  # picks the unacknowledged task up once its visibility timeout passed
+    result = task.get(timeout=TASK_TIMEOUT_S)
+
+    assert result["status"] == "succeeded", result
+    with gateway.sessions()() as session:
+        rounds = list_rounds(session, model=gateway.model)
+        versions = list_versions(session, model=gateway.model)
+        watermark = last_watermark(session, model=gateway.model)
+    assert sorted(r.status for r in rounds) == ["failed", "succeeded"]
+    failed = next(r for r in rounds if r.status == "failed")
+    succeeded = next(r for r in rounds if r.status == "succeeded")
+    assert "heart-beating" in (failed.error or "") and failed.watermark_to is None
+    assert succeeded.id == result["round_id"] and succeeded.worker_id != failed.worker_id
+    # The dead round consumed nothing: the re-run learns from all three ratings exactly once.
+    assert succeeded.watermark_from == 0 and succeeded.samples_collected == 3 and succeeded.samples_trained == 3
+    assert watermark == succeeded.watermark_to == result["watermark_to"]
+    assert [v.id for v in versions] == [result["version_id"]]
+    assert weight_version(gateway.url) == result["version_id"]
+
+
+def test_worker_exits_2_when_the_broker_is_unreachable(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "TANDEM_DATA_DIR": str(tmp_path),
+        "TANDEM_ADMIN_KEY": ADMIN_KEY,
+        "TANDEM_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens on port 1
+    }
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "worker"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "cannot reach the broker redis://127.0.0.1:1/0" in done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_serve_learns_on_its_embedded_worker_with_zero_configuration(tmp_path: Path) -> None:
+    env = {
+        "TANDEM_MODEL": str(tiny_model_path()),
+        "TANDEM_REDIS_URL": "",
+        "TANDEM_LEARN_CHECK_INTERVAL_S": "1",
+        "TANDEM_LEARN_MIN_FEEDBACK": "3",
+        "TANDEM_LEARN_LEARNING_RATE": str(LEARNING_RATE),
+        "TANDEM_LEARN_THREADS": "1",
+        "TANDEM_LOG_FORMAT": "console",
+    }
+    serve = start_tandem(["serve"], data_dir=tmp_path, ready_path="/health", env=env)
+    try:
+        wait_for(lambda: psutil.Process(serve.popen.pid).children(), 30, "serve's worker child")
+        # Keyless, as in the quick start: the internal key of serve's worker must not end that.
+        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        for question, rating in [("hello?", "up"), ("hi?", "down"), ("hey?", "up")]:
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=6
+            )
+            client.post("/feedback", body={"completion_id": reply.id, "rating": rating}, cast_to=object)
+        wait_for(lambda: weight_version(serve.url) != "default", TASK_TIMEOUT_S, "a scheduled round to roll out")
+        assert httpx.get(f"{serve.url}/admin/weights").status_code == 403  # admin stays serve's own
+        descendants = psutil.Process(serve.popen.pid).children(recursive=True)
+        assert descendants
+    finally:
+        serve.stop()
+    # uvicorn shuts down cleanly on SIGTERM, then re-raises it.
+    assert serve.popen.returncode in (0, -signal.SIGTERM), serve.log.read_text()[-3000:]
+    assert "learner worker child stopped" in serve.log.read_text()
+    alive = [p for p in descendants if _alive(p)]
+    assert alive == [], serve.log.read_text()[-3000:]
