@@ -28,8 +28,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
+from learner.debug_batch import save_batch
 from learner.rewards import feedback_reward
 from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
+from learner.round_metrics import write_round_metrics
 from learner.sample import Sample
 from learner.server_api import ServerApi
 from learner.trainers import TrainingRequest, run_training_child, weights_sha256
@@ -38,6 +40,7 @@ from storage import (
     collect_feedback,
     finish_round,
     heartbeat_round,
+    list_rounds,
     make_engine,
     make_session_factory,
     rating_history,
@@ -120,6 +123,9 @@ class _Round:
         with self.timer("reward"):
             advantages = self.feedback_advantages()
         request = self.training_request(advantages)
+        if self.config.save_batch_dir is not None:
+            info = {"round_id": self.round_id, "model": self.model, "watermark": self.watermark}
+            save_batch(request, self.config.save_batch_dir / self.round_id, info=info)
         if self.config.mode == "rollout_only":
             # Nothing trained: the watermark stays, so a training round later sees the same data.
             self.finish(status="succeeded", watermark_to=self.since, metrics=self.metrics)
@@ -139,6 +145,7 @@ class _Round:
             samples_trained=len(self.samples),
             produced_version_id=version_id,
         )
+        self.write_metrics()
         return self.result("succeeded", version_id=version_id, checkpoint_path=checkpoint)
 
     # steps
@@ -238,6 +245,16 @@ class _Round:
             raise _StageFailed(f"the server did not roll out {version_id}: {exc}") from exc
 
     # bookkeeping
+
+    def write_metrics(self) -> None:
+        """TensorBoard / W&B points at step = the model's count of succeeded rounds (never fails the round)."""
+        if self.config.metrics is None:
+            return
+        with self.sessions() as session:
+            step = len(list_rounds(session, model=self.model, status="succeeded", limit=1_000_000))
+        write_round_metrics(
+            self.config.metrics, model=self.model, step=step, metrics=self.metrics, seconds=self.timer.seconds
+        )
 
     def finish(self, **values: Any) -> None:
         with self.sessions.begin() as session:

@@ -12,6 +12,7 @@ from typing import Any, Literal, get_args
 from learner.algorithms import PolicyLossConfig
 from learner.baselines import BaselineKind
 from learner.rewards import FeedbackRewardMapping
+from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from learner.trainers.child import DebugFault
 
@@ -50,7 +51,8 @@ class RoundConfig:
     batched ``(args, samples) -> list`` with ``reward_batched``).
 
     ``mode="rollout_only"`` collects, scores and (with ``save_batch_dir``) saves the batch, then stops:
-    no training, no new version, the watermark stays.
+    no training, no new version, the watermark stays. ``tandem replay`` trains a saved batch later,
+    with no engine running.
     """
 
     server_url: str
@@ -75,9 +77,10 @@ class RoundConfig:
     num_steps: int = 1
     num_threads: int | None = None
     train_timeout_s: float = 3600.0
-    # debugging and plumbing
+    # metrics, debugging and plumbing
+    metrics: RoundMetricsConfig | None = None  # TensorBoard / W&B; None: only the round's row
     mode: RoundMode = "train"
-    save_batch_dir: Path | None = None
+    save_batch_dir: Path | None = None  # each round's training batch goes to <this>/<round id>/
     http_timeout_s: float = 600.0
     heartbeat_s: float = 30.0
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")

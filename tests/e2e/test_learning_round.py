@@ -18,9 +18,12 @@ import pytest
 import torch
 from openai import OpenAI
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
+from learner.debug_batch import replay_batch
 from learner.round import RoundConfig, RoundResult, run_round
+from learner.round_metrics import RoundMetricsConfig
 from storage import get_round, get_version, list_versions, serving_version
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path
@@ -204,6 +207,29 @@ def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path
     assert retry.status == "succeeded" and retry.samples == 2
     assert retry.watermark_from == result.watermark_from
     assert retry.parent_version_id == (before["version"]["id"] if before["version"] else None)
+
+
+def test_rollout_only_saves_a_replayable_batch_and_metrics_follow_trained_rounds(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    chat_and_rate(gateway, [("Pick a number.", "up"), ("Pick a letter.", "down"), ("Pick a word.", "up")])
+    before = serving(gateway)
+    batches = tmp_path / "batches"
+    looked = run_round(round_config(gateway, tmp_path, mode="rollout_only", save_batch_dir=batches))
+    assert looked.status == "rollout_only" and looked.version_id is None and looked.samples == 3
+    assert serving(gateway) == before
+    with gateway.sessions()() as session:
+        assert get_round(session, round_id=looked.round_id).watermark_to == looked.watermark_from  # not consumed
+    # The saved batch trains with no server involved, into a checkpoint of its own.
+    outcome = replay_batch(batches / looked.round_id, out_dir=tmp_path / "replayed")
+    assert outcome.status == "succeeded" and outcome.checkpoint is not None
+
+    metrics = RoundMetricsConfig(tensorboard_dir=tmp_path / "tb")
+    trained = run_round(round_config(gateway, tmp_path, metrics=metrics))
+    assert trained.status == "succeeded" and trained.samples == 3  # the same feedback, still there
+    events = EventAccumulator(str(next((tmp_path / "tb").iterdir()))).Reload()
+    assert events.Scalars("rollout/reward_mean")[-1].value == pytest.approx(1 / 3)
+    assert {"train/loss", "train/grad_norm", "time/swap_s"} <= set(events.Tags()["scalars"])
 
 
 def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
