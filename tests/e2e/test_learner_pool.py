@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +27,8 @@ import redis
 import torch
 
 from learner.celery_app import LEARN, LEARN_IF_DUE, LearnerCelery, create_celery_app
-from storage import last_watermark, list_rounds, list_versions
+from learner.tasks import learn_now
+from storage import finish_round, get_round, heartbeat_round, last_watermark, list_rounds, list_versions, start_round
 from tandem.settings import Settings
 from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
@@ -95,10 +97,14 @@ def learner_env(gateway: Gateway, data_dir: Path, prefix: str, **overrides: str)
     }
 
 
+def settings_of(env: dict[str, str]) -> Settings:
+    """The settings a worker started with ``env`` runs on."""
+    return Settings(**{name.removeprefix("TANDEM_").lower(): value for name, value in env.items()})
+
+
 def sender(env: dict[str, str]) -> LearnerCelery:
     """A Celery app that sends tasks to the workers started with ``env``."""
-    fields = {name.removeprefix("TANDEM_").lower(): value for name, value in env.items()}
-    return create_celery_app(Settings(**fields))
+    return create_celery_app(settings_of(env))
 
 
 class Worker:
@@ -126,13 +132,8 @@ class Worker:
         self.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
+        if self.popen.poll() is None:  # nothing to keep: a warm shutdown would only cost seconds
+            self.kill_group()
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -267,6 +268,41 @@ def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(
     assert watermark == succeeded.watermark_to == result["watermark_to"]
     assert [v.id for v in versions] == [result["version_id"]]
     assert weight_version(gateway.url) == result["version_id"]
+
+
+def test_a_redelivered_task_waits_out_a_dead_lock_holder_not_a_live_one(gateway: Gateway, tmp_path: Path) -> None:
+    settings = settings_of(learner_env(gateway, tmp_path, ""))
+    sessions = gateway.sessions()
+    with sessions.begin() as session:
+        live = start_round(session, model=gateway.model, worker_id="live-worker")
+    beating = threading.Event()
+
+    def heartbeat() -> None:
+        while not beating.wait(0.2):
+            with sessions.begin() as session:
+                heartbeat_round(session, round_id=live.id)
+
+    beater = threading.Thread(target=heartbeat, daemon=True)
+    beater.start()
+    try:
+        started = time.monotonic()
+        busy = learn_now(settings, server_url=gateway.url, admin_key=ADMIN_KEY)
+        assert busy["status"] == "busy" and time.monotonic() - started < 3
+    finally:
+        beating.set()
+        beater.join()
+    with sessions.begin() as session:
+        finish_round(session, round_id=live.id, status="failed", error="test")
+        dead = start_round(session, model=gateway.model, worker_id="dead-worker")  # never beats
+
+    started = time.monotonic()
+    result = learn_now(settings, server_url=gateway.url, admin_key=ADMIN_KEY)
+    waited = time.monotonic() - started
+    assert result["status"] == "nothing_to_learn", result  # it ran, after the dead round went stale
+    assert 2.5 < waited < 15, waited
+    with sessions() as session:
+        assert get_round(session, round_id=dead.id).status == "failed"
+        assert get_round(session, round_id=result["round_id"]).status == "succeeded"
 
 
 def test_worker_exits_2_when_the_broker_is_unreachable(tmp_path: Path) -> None:
