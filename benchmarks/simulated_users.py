@@ -29,6 +29,8 @@ from typing import Protocol
 
 from openai import OpenAI
 
+from learner.sample import Sample
+
 __all__ = [
     "BrevityPreference",
     "LetterPreference",
@@ -36,6 +38,7 @@ __all__ = [
     "Preference",
     "SimulatedUser",
     "evaluate",
+    "letter_reward",
     "questions",
 ]
 
@@ -168,3 +171,8 @@ def evaluate(
 
     with ThreadPoolExecutor(workers) as pool:
         return statistics.fmean(pool.map(one, jobs))
+
+
+async def letter_reward(args: object, sample: Sample) -> float:
+    """``LetterPreference``'s score as a slime reward plugin: a reward function that knows the preference."""
+    return LetterPreference().score(sample.response or "")

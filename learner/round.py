@@ -1,9 +1,11 @@
 """One learning round, start to finish, as a plain sequence of named steps (slime's ``train.py`` style).
 
     start_round (the model's round lock) -> collect feedback since the last watermark (filters)
-    -> reward: the feedback mapping, baselines, advantages -> train in a child process on the
-    serving checkpoint -> export -> record a candidate version -> ask the server to roll it out
-    (``POST /admin/weights``) -> finish_round(succeeded)
+    -> reward: the feedback mapping, baselines, advantages (and, for the reward model, its fit)
+    -> rollout, when the reward can score new text: n fresh answers per prompt, scored, grouped
+    with the rated answers, filtered and normalised (``learner.groups``)
+    -> train in a child process on the serving checkpoint -> export -> record a candidate version
+    -> ask the server to roll it out (``POST /admin/weights``) -> finish_round(succeeded)
 
 Any failure after the lock is taken finishes the round ``failed`` with the error: the watermark does
 not move (the next round collects the same feedback again) and serving is untouched, because only
@@ -13,6 +15,7 @@ the server changes weights and it is asked last. A round with no new feedback fi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
 import threading
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,7 +33,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
 from learner.debug_batch import save_batch
-from learner.rewards import feedback_reward
+from learner.groups import GroupSettings, Scorer, build_groups
+from learner.judge import judge
+from learner.plugins import HookKind
+from learner.reward_model import RewardModelError, fit_reward_model
+from learner.rewards import feedback_reward, score_samples
 from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
 from learner.round_metrics import write_round_metrics
 from learner.sample import Sample
@@ -122,6 +130,13 @@ class _Round:
             return self.result("nothing_to_learn")
         with self.timer("reward"):
             advantages = self.feedback_advantages()
+            score = self.fresh_scorer()
+        if score is not None:
+            with self.timer("rollout"):
+                advantages = self.grouped(score)
+            if not self.samples:  # every group's rewards were equal: nothing in this data to learn
+                self.finish(status="succeeded", watermark_to=self.watermark, metrics=self.metrics)
+                return self.result("nothing_to_learn")
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
             info = {"round_id": self.round_id, "model": self.model, "watermark": self.watermark}
@@ -185,12 +200,96 @@ class _Round:
         }
         return advantages
 
+    def fresh_scorer(self) -> Scorer | None:
+        """How fresh rollouts get rewards; None: train on the rated answers alone."""
+        config = self.config
+        if config.reward == "feedback":
+            return None
+        if config.reward == "reward_model":
+            return self.reward_model_scorer()
+
+        def score(fresh: list[Sample]) -> None:
+            if config.reward == "judge":
+                judge(config.server_url, config.admin_key, fresh, config.judge)  # sets reward or remove
+                return
+            kinds = (HookKind.REWARD, HookKind.BATCHED_REWARD)
+            plugin = next(p for kind, p in config.plugins().items() if kind in kinds)
+            asyncio.run(score_samples(plugin, self.plugin_args(), fresh))
+
+        return score
+
+    def reward_model_scorer(self) -> Scorer | None:
+        """A reward model fitted to every rating so far, if it predicts held-out ratings well enough."""
+        config = self.config
+        with self.sessions.begin() as session:
+            history = collect_feedback(session, model=self.model, since=0, until=self.watermark)
+        rated = [s for s in feedback_samples(history.items) if s.response_length > 0]
+        rewards = assign_feedback_rewards(rated, config.reward_mapping)
+        try:
+            model = fit_reward_model(
+                self.base_dir, rated, rewards, config=config.reward_model, num_threads=config.num_threads
+            )
+        except RewardModelError as exc:
+            self.metrics["reward_model"] = f"not used: {exc}"
+            return None
+        self.metrics |= {f"reward_model/{name}": value for name, value in model.metrics.items()}
+        if not model.trusted:
+            self.metrics["reward_model"] = (
+                f"not used: held-out quality {model.quality:.3f} < {config.reward_model.min_quality}"
+            )
+            return None
+        self.metrics["reward_model"] = "used"
+
+        def score(fresh: list[Sample]) -> None:
+            for sample, reward in zip(fresh, model.score(fresh, num_threads=config.num_threads), strict=True):
+                sample.reward = reward
+
+        return score
+
+    def grouped(self, score: Scorer) -> list[float]:
+        """Rated answers plus scored rollouts as real groups (``learner.groups``); their advantages."""
+        config = self.config
+        plugins = config.plugins()
+        settings = GroupSettings(
+            rollout=config.rollout,
+            advantage_estimator=config.train_config.advantage_estimator,
+            std_normalization=config.train_config.grpo_std_normalization,
+            refill_attempts=config.refill_attempts,
+            dynamic_filter=plugins.get(HookKind.DYNAMIC_FILTER),
+            reward_post_process=plugins.get(HookKind.REWARD_POST_PROCESS),
+            buffer_filter=plugins.get(HookKind.BUFFER_FILTER),
+        )
+        batch = build_groups(
+            self.samples,
+            settings,
+            server_url=config.server_url,
+            admin_key=config.admin_key,
+            score=score,
+            args=self.plugin_args(),
+        )
+        self.samples = batch.samples
+        self.metrics |= batch.metrics
+        return batch.advantages
+
+    def plugin_args(self) -> SimpleNamespace:
+        """slime's ``args`` for plugins: the round's settings by name."""
+        config = self.config
+        return SimpleNamespace(
+            **config.summary(), model=self.model, round_id=self.round_id, server_url=config.server_url, reward_key=None
+        )
+
+    @property
+    def base_dir(self) -> Path:
+        """The serving checkpoint: what is trained, and what the reward model reads."""
+        parent = self.parent
+        return (
+            Path(parent["checkpoint_path"]) if parent else (self.config.model_dir or Path(self.serving["model_path"]))
+        )
+
     def training_request(self, advantages: list[float]) -> TrainingRequest:
         config = self.config
-        parent = self.parent
-        base_dir = Path(parent["checkpoint_path"]) if parent else (config.model_dir or Path(self.serving["model_path"]))
         return TrainingRequest(
-            base_model_dir=base_dir,
+            base_model_dir=self.base_dir,
             out_dir=config.checkpoint_dir / f"v{self.watermark}-{uuid.uuid4().hex[:8]}",
             samples=tuple(self.samples),
             config=config.train_config,

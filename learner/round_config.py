@@ -11,7 +11,11 @@ from typing import Any, Literal, get_args
 
 from learner.algorithms import PolicyLossConfig
 from learner.baselines import BaselineKind
+from learner.judge import JudgeConfig
+from learner.plugins import HookKind, load_plugins
+from learner.reward_model import RewardModelConfig
 from learner.rewards import FeedbackRewardMapping
+from learner.rollout import RolloutConfig
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from learner.trainers.child import DebugFault
@@ -21,7 +25,7 @@ __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "
 # In the order a round runs them; ``rollout`` only when the reward can score new text.
 STAGES = ("collect", "reward", "rollout", "train", "export", "swap")
 
-RewardSource = Literal["feedback", "custom"]
+RewardSource = Literal["feedback", "reward_model", "judge", "custom"]
 RoundMode = Literal["train", "rollout_only"]
 
 
@@ -46,9 +50,14 @@ class RoundConfig:
 
     Reward: ``feedback`` trains directly on the rated logged answers, advantage = reward minus a
     ``baseline`` (per user or global running mean; a real group where one prompt has several rated
-    answers), importance-corrected against the logged behaviour log-probs. ``custom`` scores fresh
-    rollouts with the reward plugin at ``reward_path`` (slime's ``async (args, sample) -> float``, or
-    batched ``(args, samples) -> list`` with ``reward_batched``).
+    answers), importance-corrected against the logged behaviour log-probs. The other sources can
+    score new text, so the round also samples ``rollout.n_samples_per_prompt`` fresh answers per rated
+    prompt and trains on real groups (``learner.groups``): ``reward_model`` fits a head over the
+    policy's hidden states to all feedback so far (falling back to ``feedback`` while it is not
+    trusted), ``judge`` asks the serving model with a rubric, ``custom`` calls the reward plugin at
+    ``reward_path`` (slime's ``async (args, sample) -> float``, or batched ``(args, samples) -> list``
+    with ``reward_batched``). Plugins by dotted path: ``dynamic_filter_path``,
+    ``reward_post_process_path``, ``buffer_filter_path`` (slime's hooks, checked at config time).
 
     ``mode="rollout_only"`` collects, scores and (with ``save_batch_dir``) saves the batch, then stops:
     no training, no new version, the watermark stays. ``tandem replay`` trains a saved batch later,
@@ -71,6 +80,14 @@ class RoundConfig:
     reward_mapping: FeedbackRewardMapping = field(default_factory=FeedbackRewardMapping)
     baseline: BaselineKind = "user"
     baseline_prior_strength: float = 4.0
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # rollout (reward sources other than feedback)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_new_tokens=128))
+    refill_attempts: int = 1
+    dynamic_filter_path: str | None = None
+    reward_post_process_path: str | None = None
+    buffer_filter_path: str | None = None
     # training
     train_config: TrainConfig = field(default_factory=_feedback_train_config)
     learning_rate: float = 1e-6
@@ -105,8 +122,23 @@ class RoundConfig:
             errors.append(f"baseline must be one of {get_args(BaselineKind)} with a prior strength >= 0")
         if self.mode not in get_args(RoundMode):
             errors.append(f"mode must be one of {get_args(RoundMode)}, got {self.mode!r}")
+        if self.refill_attempts < 0:
+            errors.append(f"refill_attempts must be >= 0, got {self.refill_attempts}")
         if errors:
             raise ValueError("invalid round config: " + "; ".join(errors))
+        self.plugins()  # a wrong path or signature fails here, not halfway through a round
+
+    def plugins(self) -> dict[HookKind, Any]:
+        """The configured hooks, loaded and checked (``learner.plugins.load_plugins``)."""
+        reward_kind = HookKind.BATCHED_REWARD if self.reward_batched else HookKind.REWARD
+        return load_plugins(
+            {
+                reward_kind: self.reward_path,
+                HookKind.DYNAMIC_FILTER: self.dynamic_filter_path,
+                HookKind.REWARD_POST_PROCESS: self.reward_post_process_path,
+                HookKind.BUFFER_FILTER: self.buffer_filter_path,
+            }
+        )
 
     @property
     def max_age(self) -> timedelta | None:
@@ -117,6 +149,7 @@ class RoundConfig:
         return {
             "reward": self.reward,
             "reward_path": self.reward_path,
+            "n_samples_per_prompt": self.rollout.n_samples_per_prompt if self.reward != "feedback" else 0,
             "baseline": self.baseline,
             "learning_rate": self.learning_rate,
             "num_steps": self.num_steps,

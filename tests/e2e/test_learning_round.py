@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from typer.testing import CliRunner
 
 from learner.debug_batch import replay_batch
+from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_metrics import RoundMetricsConfig
 from storage import get_round, get_version, list_versions, serving_version
@@ -230,6 +231,25 @@ def test_rollout_only_saves_a_replayable_batch_and_metrics_follow_trained_rounds
     events = EventAccumulator(str(next((tmp_path / "tb").iterdir()))).Reload()
     assert events.Scalars("rollout/reward_mean")[-1].value == pytest.approx(1 / 3)
     assert {"train/loss", "train/grad_norm", "time/swap_s"} <= set(events.Tags()["scalars"])
+
+
+def test_rollout_round_trains_on_real_groups(gateway: Gateway, tmp_path: Path) -> None:
+    chat_and_rate(gateway, [("Name a river.", "up"), ("Name a tree.", "down"), ("Name a tree.", "up")])
+    rollout = RolloutConfig(n_samples_per_prompt=4, max_new_tokens=8, seed=7)
+    config = round_config(
+        gateway, tmp_path, reward="custom", reward_path="benchmarks.simulated_users:letter_reward", rollout=rollout
+    )
+    with StreamingLoad(gateway.client(gateway.keys["e2e"]), gateway.model) as load:
+        result = run_round(config)
+    assert result.status == "succeeded", result.error
+    assert load.failures == []
+    assert list(result.seconds) == ["collect", "reward", "rollout", "train", "export", "swap"]
+    metrics = result.metrics
+    assert metrics["groups"] == 2 and metrics["rollout_samples"] == 8
+    # A kept group is its rated answer(s) and 4 fresh samples: river 1 + 4, tree 2 + 4, or both; a
+    # group whose rewards are all equal is dropped.
+    assert {1: {5, 6}, 2: {11}}[metrics["groups_kept"]] >= {result.samples}
+    assert serving(gateway)["weight_version"] == result.version_id
 
 
 def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
