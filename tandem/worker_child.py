@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import SecretStr
@@ -50,7 +51,7 @@ def attach_worker_child(api: FastAPI, settings: Settings) -> None:
     serve = api.router.lifespan_context
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[object]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with serve(app) as state:
             child = WorkerChild.start(settings)
             try:

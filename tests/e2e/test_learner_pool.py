@@ -99,7 +99,7 @@ def learner_env(gateway: Gateway, data_dir: Path, prefix: str, **overrides: str)
 
 def settings_of(env: dict[str, str]) -> Settings:
     """The settings a worker started with ``env`` runs on."""
-    return Settings(**{name.removeprefix("TANDEM_").lower(): value for name, value in env.items()})
+    return Settings.model_validate({name.removeprefix("TANDEM_").lower(): value for name, value in env.items()})
 
 
 def sender(env: dict[str, str]) -> LearnerCelery:
