@@ -37,6 +37,7 @@ __all__ = [
     "Population",
     "Preference",
     "SimulatedUser",
+    "brevity_reward",
     "evaluate",
     "letter_reward",
     "questions",
@@ -176,3 +177,8 @@ def evaluate(
 async def letter_reward(args: object, sample: Sample) -> float:
     """``LetterPreference``'s score as a slime reward plugin: a reward function that knows the preference."""
     return LetterPreference().score(sample.response or "")
+
+
+async def brevity_reward(args: object, sample: Sample) -> float:
+    """``BrevityPreference``'s score as a slime reward plugin."""
+    return BrevityPreference().score(sample.response or "")

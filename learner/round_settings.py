@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
+from learner.round_metrics import RoundMetricsConfig
 from tandem.settings import Settings
 
 __all__ = ["round_config"]
@@ -26,4 +28,12 @@ def round_config(
         heartbeat_s=settings.round_heartbeat_s,
         trigger=trigger,
         debug_fault=settings.learn_debug_fault,
+        reward=settings.learn_reward,
+        reward_path=settings.learn_reward_path,
+        baseline=settings.learn_baseline,
+        rollout=RolloutConfig(
+            n_samples_per_prompt=settings.learn_samples_per_prompt, max_new_tokens=settings.learn_rollout_max_tokens
+        ),
+        metrics=RoundMetricsConfig.from_settings(settings),
+        save_batch_dir=settings.learn_save_batch_dir,
     )

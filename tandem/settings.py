@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     learn_steps: int = Field(1, ge=1)
     learn_threads: int = Field(0, ge=0, description="torch CPU threads for training; 0 = torch's default")
     learn_train_timeout_s: float = Field(3600.0, gt=0)
+    learn_reward: Literal["feedback", "reward_model", "judge", "custom"] = Field(
+        "feedback", description="feedback: train on rated answers; the others score fresh rollouts (docs/rewards.md)"
+    )
+    learn_reward_path: str | None = Field(None, description="custom reward function, 'package.module:function'")
+    learn_baseline: Literal["user", "global"] = Field("user", description="what a lone rating is compared with")
+    learn_samples_per_prompt: int = Field(4, ge=1, le=64, description="rollouts per rated prompt (not feedback)")
+    learn_rollout_max_tokens: int = Field(128, ge=1)
+    learn_save_batch_dir: Path | None = Field(None, description="save each round's batch here (tandem replay)")
     checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
     round_heartbeat_s: float = Field(30.0, gt=0)
     round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
+from learner.plugins import PluginError
 from tandem.commands.db import DatabaseUrl, resolve_database_url
 from tandem.settings import Settings
 
@@ -17,10 +20,14 @@ errors = Console(stderr=True)
 STAGE_LABELS = {
     "collect": "collecting feedback",
     "reward": "scoring rewards and advantages",
+    "rollout": "sampling and scoring fresh answers (low priority)",
     "train": "training (child process)",
     "export": "checking the checkpoint, recording the version",
     "swap": "rolling the new version out",
 }
+
+
+Reward = Literal["feedback", "reward_model", "judge", "custom"]
 
 
 def learn_command(
@@ -31,32 +38,76 @@ def learn_command(
         typer.Option(help="Base checkpoint when the serving version has none recorded; default: the server's model."),
     ] = None,
     checkpoint_dir: Annotated[
-        Path | None, typer.Option(help="Where new checkpoints go; default: checkpoints/ in the data dir.")
+        Path | None, typer.Option(help="Where new checkpoints go [TANDEM_CHECKPOINT_DIR].")
     ] = None,
-    learning_rate: Annotated[float, typer.Option(help="Optimizer learning rate.")] = 1e-6,
-    steps: Annotated[int, typer.Option(help="Optimizer steps over the round's samples.")] = 1,
-    threads: Annotated[int | None, typer.Option(help="Torch CPU threads for training.")] = None,
+    learning_rate: Annotated[
+        float | None, typer.Option(help="Optimizer learning rate [TANDEM_LEARN_LEARNING_RATE].")
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps over the round's samples [TANDEM_LEARN_STEPS].")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="Torch CPU threads for training [TANDEM_LEARN_THREADS].")] = None,
+    reward: Annotated[
+        Reward | None, typer.Option(help="Reward source (docs/rewards.md) [TANDEM_LEARN_REWARD].")
+    ] = None,
+    reward_path: Annotated[
+        str | None, typer.Option(help="Custom reward function 'package.module:function' [TANDEM_LEARN_REWARD_PATH].")
+    ] = None,
+    samples_per_prompt: Annotated[
+        int | None, typer.Option(help="Rollouts per rated prompt [TANDEM_LEARN_SAMPLES_PER_PROMPT].")
+    ] = None,
+    tenant: Annotated[str | None, typer.Option(help="Learn only from this tenant's feedback.")] = None,
+    user: Annotated[str | None, typer.Option(help="Learn only from this end user's feedback.")] = None,
+    max_age_s: Annotated[float | None, typer.Option(help="Learn only from answers at most this old.")] = None,
+    save_batch: Annotated[
+        Path | None, typer.Option(help="Save the round's batch under this folder (replay: tandem replay).")
+    ] = None,
+    rollout_only: Annotated[
+        bool, typer.Option("--rollout-only", help="Collect, score and save the batch; no training, nothing served.")
+    ] = False,
 ) -> None:
-    """Run one learning round now: feedback -> rewards -> training -> new version -> hot swap.
+    """Run one learning round now: feedback -> rewards (-> rollouts) -> training -> new version -> hot swap.
 
-    Authenticated with the admin key from TANDEM_ADMIN_KEY.
+    Authenticated with the admin key from TANDEM_ADMIN_KEY; every other default comes from the
+    learner settings (TANDEM_LEARN_*), as for scheduled rounds.
     """
-    from learner.round import RoundConfig, RoundError, run_round
+    from learner.round import RoundError, run_round
+    from learner.round_settings import round_config
 
-    settings = Settings()
+    overrides = {
+        "database_url": database_url,
+        "checkpoint_dir": checkpoint_dir,
+        "learn_learning_rate": learning_rate,
+        "learn_steps": steps,
+        "learn_threads": threads,
+        "learn_reward": reward,
+        "learn_reward_path": reward_path,
+        "learn_samples_per_prompt": samples_per_prompt,
+        "learn_save_batch_dir": save_batch,
+    }
+    try:
+        settings = Settings().with_overrides(**overrides)
+    except ValidationError as exc:
+        errors.print(f"[red]tandem learn: {exc}[/red]")
+        raise typer.Exit(code=2) from exc
     if settings.admin_key is None:
         errors.print("[red]set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
         raise typer.Exit(code=2)
-    config = RoundConfig(
-        server_url=server,
-        admin_key=settings.admin_key.get_secret_value(),
-        database_url=resolve_database_url(database_url),
-        checkpoint_dir=checkpoint_dir or settings.data_dir / "checkpoints",
-        model_dir=model_dir,
-        learning_rate=learning_rate,
-        num_steps=steps,
-        num_threads=threads,
-    )
+    try:
+        config = dataclasses.replace(
+            round_config(
+                settings, server_url=server, admin_key=settings.admin_key.get_secret_value(), trigger="manual"
+            ),
+            database_url=resolve_database_url(database_url),
+            model_dir=model_dir,
+            tenant_id=tenant,
+            end_user=user,
+            max_age_s=max_age_s,
+            mode="rollout_only" if rollout_only else "train",
+        )
+    except (ValueError, PluginError) as exc:
+        errors.print(f"[red]tandem learn: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(code=2) from exc
     with console.status("starting the round") as status:
 
         def on_stage(stage: str, seconds: float | None) -> None:
@@ -76,8 +127,13 @@ def learn_command(
     if result.status == "nothing_to_learn":
         console.print(f"round {result.round_id}: nothing to learn (no new feedback since {result.watermark_from})")
         return
+    rollouts = result.metrics.get("rollout/raw_reward_mean")
+    reward = f"reward mean {result.reward_mean:+.3f}" + (f" (rollouts {rollouts:+.3f})" if rollouts is not None else "")
+    if result.status == "rollout_only":
+        console.print(f"round {result.round_id}: {result.samples} samples, {reward}; rollout only, nothing trained")
+        return
     console.print(
-        f"round {result.round_id}: {result.samples} samples, reward mean {result.reward_mean:+.3f}, "
+        f"round {result.round_id}: {result.samples} samples, {reward}, "
         f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s",
         soft_wrap=True,  # one line, whatever the terminal width
     )

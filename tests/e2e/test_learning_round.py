@@ -25,7 +25,7 @@ from learner.debug_batch import replay_batch
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_metrics import RoundMetricsConfig
-from storage import get_round, get_version, list_versions, serving_version
+from storage import get_round, get_version, list_rounds, list_versions, serving_version
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
@@ -278,6 +278,17 @@ def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
     assert nothing.exit_code == 0 and "nothing to learn" in nothing.output
     refused = CliRunner().invoke(app, args, env={**env, "TANDEM_ADMIN_KEY": "wrong"})
     assert refused.exit_code == 1 and "401" in refused.output
+
+
+def test_tandem_learn_cli_refuses_bad_settings_before_starting(gateway: Gateway, tmp_path: Path) -> None:
+    env = {"TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_DATA_DIR": str(tmp_path / "data")}
+    base = ["learn", "--server", gateway.url, "--database-url", gateway.settings.resolved_database_url]
+    no_path = CliRunner().invoke(app, [*base, "--reward", "custom"], env=env)
+    assert no_path.exit_code == 2 and "reward_path" in no_path.output
+    missing = CliRunner().invoke(app, [*base, "--reward", "custom", "--reward-path", "nowhere.at_all:fn"], env=env)
+    assert missing.exit_code == 2 and "cannot import 'nowhere.at_all'" in missing.output
+    with gateway.sessions()() as session:
+        assert not [r for r in list_rounds(session, model=gateway.model) if r.status == "running"]
 
 
 def test_round_result_is_plain_data() -> None:

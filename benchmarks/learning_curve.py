@@ -1,0 +1,196 @@
+"""Does tandem learn from its users, and which reward learns best? Simulated users, real server, real rounds.
+
+For each reward source and seed: start `tandem serve` (SQLite, local engine, its learner worker off:
+this script runs the rounds itself with the same pipeline), then repeat: measure the mean hidden
+score of fresh answers to held-out questions, let the simulated users chat and rate through the
+public API, run one round. The baseline is the same run's score before any round; results are the
+rise over it. Writes a JSON of every curve and a plot (PNG) next to it, and prints one table row per
+reward source plus the stage split of the rounds (collect, reward, rollout, train, export, swap).
+
+    python -m benchmarks.learning_curve --model tiny --preference letters \\
+        --reward feedback --reward reward_model --reward judge --reward custom --seeds 0 1
+    python -m benchmarks.learning_curve --model smollm2-135m-instruct --preference brevity \\
+        --reward feedback --rounds 4 --ratings 32 --max-tokens 48 --lr 2e-5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+from benchmarks.common import console, model_path, start
+from benchmarks.simulated_users import BrevityPreference, LetterPreference, Population, Preference, evaluate, questions
+from learner.rollout import RolloutConfig
+from learner.round import STAGES, RoundConfig, run_round
+from storage import create_api_key, make_engine, make_session_factory
+from storage.migrate import upgrade
+
+ADMIN_KEY = "learning-curve-admin"
+PREFERENCES: dict[str, tuple[Preference, str]] = {
+    # name: (preference, the custom reward plugin that knows it)
+    "letters": (LetterPreference(), "benchmarks.simulated_users:letter_reward"),
+    "brevity": (BrevityPreference(), "benchmarks.simulated_users:brevity_reward"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tenant_key(database_url: str) -> str:
+    """A tenant API key for the simulated users (their traffic, like anyone's, needs one)."""
+    upgrade(database_url)
+    engine = make_engine(database_url)
+    try:
+        with make_session_factory(engine).begin() as session:
+            plaintext, _ = create_api_key(session, tenant_name="simulated-users", name="benchmark")
+    finally:
+        engine.dispose()
+    return plaintext
+
+
+def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> dict[str, Any]:
+    preference, plugin = PREFERENCES[args.preference]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "TANDEM_DATA_DIR": str(workdir),
+        "TANDEM_MODEL": str(model_path(args.model)),
+        "TANDEM_PORT": str(port),
+        "TANDEM_ADMIN_KEY": ADMIN_KEY,
+        "TANDEM_LEARNER": "off",
+        "TANDEM_TORCH_THREADS": str(args.threads),
+        "TANDEM_LOG_LEVEL": "WARNING",
+    }
+    database_url = f"sqlite:///{workdir / 'tandem.db'}"
+    api_key = tenant_key(database_url)
+    server = start(["serve"], env, f"{url}/health")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=600)
+        model = client.models.list().data[0].id
+        population = Population.make(preference, size=8, seed=seed)
+        held_out = questions(args.eval_prompts, seed=seed + 1000)
+        config = RoundConfig(
+            server_url=url,
+            admin_key=ADMIN_KEY,
+            database_url=database_url,
+            checkpoint_dir=workdir / "checkpoints",
+            learning_rate=args.lr,
+            num_threads=args.threads,
+            reward=reward,  # type: ignore[arg-type]
+            reward_path=plugin if reward == "custom" else None,
+            rollout=RolloutConfig(n_samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_tokens),
+        )
+
+        def fresh() -> float:
+            return evaluate(client, model, preference, held_out, samples_per_prompt=4, max_tokens=args.max_tokens)
+
+        curve, rounds = [fresh()], []
+        for index in range(args.rounds):
+            population.chat_and_rate(client, model, args.ratings, seed=seed * 100 + index, max_tokens=args.max_tokens)
+            started = time.perf_counter()
+            result = run_round(config)
+            wall = time.perf_counter() - started
+            if result.status not in ("succeeded", "nothing_to_learn"):
+                raise RuntimeError(f"round {index} of {reward}/{seed}: {result.status} {result.error}")
+            rounds.append(
+                {"seconds": result.seconds, "wall": wall, "samples": result.samples, **_notes(result.metrics)}
+            )
+            curve.append(fresh())
+            console.print(f"{reward} seed {seed} round {index + 1}: fresh {curve[-1]:+.3f} ({wall:.1f} s)")
+        return {"reward": reward, "seed": seed, "curve": curve, "rounds": rounds}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _notes(metrics: dict[str, Any]) -> dict[str, Any]:
+    keys = ("reward_model", "reward_model/cv_spearman", "groups_kept", "removed_samples", "rollout_samples")
+    return {k: metrics[k] for k in keys if k in metrics}
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for reward in dict.fromkeys(r["reward"] for r in runs):
+        curves = [r["curve"] for r in runs if r["reward"] == reward]
+        mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+        for curve in curves:
+            axes.plot(range(len(curve)), curve, alpha=0.25, linewidth=1)
+        axes.plot(range(len(mean)), mean, linewidth=2.5, label=f"{reward} (mean of {len(curves)})")
+    axes.set_xlabel("round")
+    axes.set_ylabel("mean hidden score of fresh answers")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="'tiny', a builtin name, or an HF folder")
+    parser.add_argument("--preference", choices=sorted(PREFERENCES), default="letters")
+    parser.add_argument("--reward", action="append", choices=["feedback", "reward_model", "judge", "custom"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--ratings", type=int, default=64, help="ratings per round")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--samples-per-prompt", type=int, default=4, help="rollouts per prompt (not feedback)")
+    parser.add_argument("--eval-prompts", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=5e-2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    rewards = args.reward or ["feedback"]
+
+    runs = []
+    for reward in rewards:
+        for seed in args.seeds:
+            with tempfile.TemporaryDirectory(prefix="tandem-curve-") as workdir:
+                runs.append(one_run(args, reward, seed, Path(workdir)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"learning_curve_{Path(args.model).name}_{args.preference}"
+    (args.out / f"{stem}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
+    plot(runs, args.out / f"{stem}.png", f"{Path(args.model).name}, {args.preference} preference")
+
+    print("| reward | before | after | rise (mean, min over seeds) | round wall s (median) |")
+    print("|---|---|---|---|---|")
+    for reward in rewards:
+        mine = [r for r in runs if r["reward"] == reward]
+        rises = [r["curve"][-1] - r["curve"][0] for r in mine]
+        walls = [x["wall"] for r in mine for x in r["rounds"]]
+        before = statistics.fmean(r["curve"][0] for r in mine)
+        after = statistics.fmean(r["curve"][-1] for r in mine)
+        print(
+            f"| {reward} | {before:+.3f} | {after:+.3f} | {statistics.fmean(rises):+.3f}, {min(rises):+.3f} "
+            f"| {statistics.median(walls):.1f} |"
+        )
+    stages = [s for s in STAGES if any(s in x["seconds"] for r in runs for x in r["rounds"])]
+    print("\n| reward | " + " | ".join(stages) + " |")
+    print("|---|" + "---|" * len(stages))
+    for reward in rewards:
+        seconds = [x["seconds"] for r in runs if r["reward"] == reward for x in r["rounds"]]
+        cells = [f"{statistics.median(s.get(stage, 0.0) for s in seconds):.2f}" for stage in stages]
+        print(f"| {reward} | " + " | ".join(cells) + " |")
+    console.print(f"[green]wrote[/green] {args.out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
