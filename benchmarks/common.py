@@ -60,6 +60,7 @@ def progress() -> Progress:
 
 def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
     """Start `tandem <args>` and wait until ``url`` answers; its output goes to a log in its data dir."""
+    env = {"TANDEM_LEARNER": "off", **env}  # benchmarks measure serving: no learner child on the cores
     log_dir = Path(env.get("TANDEM_DATA_DIR") or ".")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{args[0]}-{os.getpid()}-{time.monotonic_ns()}.log"

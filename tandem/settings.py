@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(16, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     rollout_max_concurrency: int = Field(
-        2, ge=1, description="learner rollout sequences generating at once (POST /admin/rollouts); users go first"
+        1, ge=1, description="learner rollout sequences generating at once (POST /admin/rollouts); users go first"
     )
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
     max_body_bytes: int = Field(4 << 20, ge=1024)

@@ -29,7 +29,14 @@ def start_tandem(args: list[str], *, data_dir: Path, ready_path: str, env: dict[
     port = free_port()
     log = data_dir / f"{args[0]}-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
-    environment = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "TANDEM_TORCH_THREADS": "1", **(env or {})}
+    # No embedded learner worker unless a test asks for one: it would compete for the two cores.
+    environment = {
+        **os.environ,
+        "TANDEM_DATA_DIR": str(data_dir),
+        "TANDEM_TORCH_THREADS": "1",
+        "TANDEM_LEARNER": "off",
+        **(env or {}),
+    }
     with log.open("wb") as out:
         popen = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args, "--port", str(port)], env=environment, stdout=out, stderr=out

@@ -325,6 +325,7 @@ def test_serve_learns_on_its_embedded_worker_with_zero_configuration(tmp_path: P
     env = {
         "TANDEM_MODEL": str(tiny_model_path()),
         "TANDEM_REDIS_URL": "",
+        "TANDEM_LEARNER": "embedded",
         "TANDEM_LEARN_CHECK_INTERVAL_S": "1",
         "TANDEM_LEARN_MIN_FEEDBACK": "3",
         "TANDEM_LEARN_LEARNING_RATE": str(LEARNING_RATE),
