@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from storage import create_api_key, make_engine, make_session_factory
+from storage.migrate import upgrade
 from tandem.models import resolve_model
 from tandem.settings import Settings
 
@@ -42,6 +45,24 @@ def model_path(spec: str) -> Path:
 
         return tiny_model_path()
     return resolve_model(spec, Settings().model_cache_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tenant_key(database_url: str) -> str:
+    """A tenant API key for the simulated users (their traffic, like anyone's, needs one)."""
+    upgrade(database_url)
+    engine = make_engine(database_url)
+    try:
+        with make_session_factory(engine).begin() as session:
+            plaintext, _ = create_api_key(session, tenant_name="simulated-users", name="benchmark")
+    finally:
+        engine.dispose()
+    return plaintext
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -27,12 +26,11 @@ from typing import Any
 
 from openai import OpenAI
 
-from benchmarks.common import console, model_path, start
+from benchmarks.common import console, free_port, model_path, start, tenant_key
 from benchmarks.simulated_users import BrevityPreference, LetterPreference, Population, Preference, evaluate, questions
+from learner.judge import JudgeConfig
 from learner.rollout import RolloutConfig
 from learner.round import STAGES, RoundConfig, run_round
-from storage import create_api_key, make_engine, make_session_factory
-from storage.migrate import upgrade
 
 ADMIN_KEY = "learning-curve-admin"
 PREFERENCES: dict[str, tuple[Preference, str]] = {
@@ -40,24 +38,6 @@ PREFERENCES: dict[str, tuple[Preference, str]] = {
     "letters": (LetterPreference(), "benchmarks.simulated_users:letter_reward"),
     "brevity": (BrevityPreference(), "benchmarks.simulated_users:brevity_reward"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tenant_key(database_url: str) -> str:
-    """A tenant API key for the simulated users (their traffic, like anyone's, needs one)."""
-    upgrade(database_url)
-    engine = make_engine(database_url)
-    try:
-        with make_session_factory(engine).begin() as session:
-            plaintext, _ = create_api_key(session, tenant_name="simulated-users", name="benchmark")
-    finally:
-        engine.dispose()
-    return plaintext
 
 
 def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> dict[str, Any]:
@@ -92,6 +72,7 @@ def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> 
             reward=reward,  # type: ignore[arg-type]
             reward_path=plugin if reward == "custom" else None,
             rollout=RolloutConfig(n_samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_tokens),
+            judge=JudgeConfig(max_tokens=args.judge_max_tokens),
         )
 
         def fresh() -> float:
@@ -153,6 +134,7 @@ def main() -> None:
     parser.add_argument("--ratings", type=int, default=64, help="ratings per round")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="rollouts per prompt (not feedback)")
+    parser.add_argument("--judge-max-tokens", type=int, default=64, help="the judge's verdict length")
     parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument("--lr", type=float, default=5e-2)
     parser.add_argument("--threads", type=int, default=2)
