@@ -10,8 +10,9 @@ Preferences judge text, as a person would:
   an expected count). A model with random weights has no notion of meaning, so what it can learn is
   which tokens to prefer; a preference carried by ~9 % of the tokens is one it can, from a few
   hundred ratings.
-- ``BrevityPreference``: short answers are better (1 at or under ``target_words``, falling linearly
-  to -1 at ``3 * target_words``). Natural for a real chat model.
+- ``BrevityPreference``: short, plain sentences are better (1 at a mean of ``target_words`` words per
+  sentence or fewer, -1 at twice that). Natural for a real chat model, and visible within the first
+  tokens of an answer, so a length cap does not hide it.
 
 ``evaluate`` measures what the issue calls the mean reward of fresh answers: the preference's score of
 answers to held-out questions, sampled with fixed seeds so two evaluations compare paired answers.
@@ -43,7 +44,7 @@ __all__ = [
     "questions",
 ]
 
-_WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
+_SENTENCE_END = re.compile(r"[.!?:;]+(?:\s|$)|\n+")
 _TOPICS = (
     "water", "time", "people", "music", "rivers", "learning", "weather", "cities", "numbers", "words",
     "trees", "light", "history", "sleep", "stars", "bread", "travel", "colour", "memory", "games",
@@ -76,14 +77,14 @@ class LetterPreference:
 
 @dataclass(frozen=True, slots=True)
 class BrevityPreference:
-    target_words: int = 20
+    target_words: float = 8.0  # mean sentence length that scores 1; twice as long scores -1
 
     def score(self, text: str) -> float:
-        words = len(text.split())
-        if words == 0:
+        sentences = [len(part.split()) for part in _SENTENCE_END.split(text) if part.split()]
+        if not sentences:
             return -1.0
-        over = max(0, words - self.target_words) / (2 * self.target_words)
-        return max(-1.0, 1.0 - 2 * over)
+        excess = (statistics.fmean(sentences) - self.target_words) / self.target_words
+        return max(-1.0, min(1.0, 1.0 - 2.0 * excess))
 
 
 @dataclass(frozen=True, slots=True)
