@@ -31,7 +31,9 @@ from typing import Any
 
 import httpx
 
+from learner.rollout import RolloutError, gateway_client, post_rollouts
 from learner.sample import Sample
+from tandem.aio import gather_or_cancel
 
 __all__ = [
     "DEFAULT_RUBRIC",
@@ -296,18 +298,10 @@ async def judge_samples(samples: Sequence[Sample], config: JudgeConfig, complete
         async with gate:
             return await judge_sample(sample, config, complete)
 
-    tasks = [asyncio.ensure_future(one(s)) for s in samples]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return await gather_or_cancel(one(s) for s in samples)
 
 
 # the gateway
-
-_RETRY_STATUSES = (429, 503)  # a full engine queue, an aborted sample: worth another try
 
 
 def rollouts_completer(client: httpx.AsyncClient, *, retries: int = 2) -> Complete:
@@ -315,31 +309,21 @@ def rollouts_completer(client: httpx.AsyncClient, *, retries: int = 2) -> Comple
 
     async def complete(messages: list[dict[str, str]], max_tokens: int, temperature: float) -> str:
         body = {"messages": messages, "n": 1, "max_tokens": max_tokens, "temperature": temperature}
-        for attempt in range(retries + 1):
-            try:
-                response = await client.post("/admin/rollouts", json=body)
-            except httpx.HTTPError as exc:
-                raise JudgeError(f"cannot reach the judge at {client.base_url}: {exc!r}") from exc
-            if response.status_code == 200:
-                try:
-                    return str(response.json()["choices"][0]["text"])
-                except (ValueError, KeyError, IndexError, TypeError) as exc:
-                    raise JudgeError(f"POST /admin/rollouts answered an unreadable body: {exc!r}") from exc
-            if response.status_code not in _RETRY_STATUSES or attempt == retries:
-                raise JudgeError(f"POST /admin/rollouts answered {response.status_code}: {response.text[:300]}")
-            await asyncio.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        try:
+            answer = await post_rollouts(client, body, retries=retries)
+        except RolloutError as exc:
+            # The judge's callers handle JudgeError only: a refused or unreachable judge is theirs to report.
+            raise JudgeError(str(exc) if exc.status is not None else f"cannot reach the judge ({exc})") from exc
+        try:
+            return str(answer["choices"][0]["text"])
+        except (KeyError, IndexError, TypeError) as exc:
+            raise JudgeError(f"POST /admin/rollouts answered an unreadable body: {exc!r}") from exc
 
     return complete
 
 
 def _client(server_url: str, admin_key: str, config: JudgeConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=server_url.rstrip("/"),
-        headers={"Authorization": f"Bearer {admin_key}"},
-        timeout=config.timeout_s,
-        limits=httpx.Limits(max_connections=config.max_concurrency),
-    )
+    return gateway_client(server_url, admin_key, timeout=config.timeout_s, max_connections=config.max_concurrency)
 
 
 def judge(server_url: str, admin_key: str, samples: Sequence[Sample], config: JudgeConfig) -> list[Verdict]:

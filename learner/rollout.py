@@ -31,8 +31,18 @@ import httpx
 
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample, SampleStatus
+from tandem.aio import gather_or_cancel
 
-__all__ = ["RolloutArgs", "RolloutConfig", "RolloutError", "rollout_group", "rollout_groups", "sampling_params"]
+__all__ = [
+    "RolloutArgs",
+    "RolloutConfig",
+    "RolloutError",
+    "gateway_client",
+    "post_rollouts",
+    "rollout_group",
+    "rollout_groups",
+    "sampling_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +53,14 @@ _RETRY_STATUSES = (429, 503)  # a full engine queue, an aborted sample: worth an
 class RolloutError(Exception):
     """Rollout failed: the gateway is unreachable, refused the request, or answered something unreadable.
 
-    ``status`` is the HTTP status when the gateway answered, else None.
+    ``status`` is the HTTP status when the gateway answered, else None; ``code`` is the gateway's
+    error code (e.g. ``context_length_exceeded``) when it gave one.
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +205,12 @@ async def rollout_group(
         body["seed"] = seed
     if prompt.session_id:
         body["session_id"] = prompt.session_id  # same replica as the user's session: its cache has the prompt
-    answer = await _post(client, body, config)
-    if answer is None:
+    try:
+        answer = await post_rollouts(client, body, retries=config.retries)
+    except RolloutError as exc:
+        if (exc.status, exc.code) != (400, "context_length_exceeded"):
+            raise
+        log.warning("rollout prompt skipped: no room for a response", extra={"error": str(exc)})
         return []
     try:
         return [_sample(prompt, choice, group_index) for choice in answer["choices"]]
@@ -251,29 +267,36 @@ async def _rollout_all(
             on_progress(done, len(prompts))
         return group
 
-    async with _client(server_url, admin_key, config) as client:
-        tasks = [asyncio.ensure_future(one(client, i, p)) for i, p in enumerate(prompts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    # One connection per prompt in flight; the gateway bounds the engine work itself.
+    async with gateway_client(server_url, admin_key, timeout=config.timeout, max_connections=config.concurrency) as c:
+        return await gather_or_cancel(one(c, i, p) for i, p in enumerate(prompts))
 
 
-def _client(server_url: str, admin_key: str, config: RolloutConfig) -> httpx.AsyncClient:
+def gateway_client(server_url: str, admin_key: str, *, timeout: float, max_connections: int) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` on the gateway at ``server_url`` with the admin key (for ``post_rollouts``).
+
+    Args:
+        timeout: seconds for one request.
+        max_connections: requests in flight at once from this client.
+    """
     return httpx.AsyncClient(
         base_url=server_url.rstrip("/"),
         headers={"Authorization": f"Bearer {admin_key}"},
-        timeout=config.timeout,
-        # One connection per prompt in flight; the gateway bounds the engine work itself.
-        limits=httpx.Limits(max_connections=config.concurrency),
+        timeout=timeout,
+        limits=httpx.Limits(max_connections=max_connections),
     )
 
 
-async def _post(client: httpx.AsyncClient, body: dict[str, Any], config: RolloutConfig) -> dict[str, Any] | None:
-    """The gateway's answer; None when the prompt has no room left in the context."""
-    for attempt in range(config.retries + 1):
+async def post_rollouts(client: httpx.AsyncClient, body: dict[str, Any], *, retries: int) -> dict[str, Any]:
+    """``POST /admin/rollouts`` with ``body``: the gateway's JSON answer.
+
+    A 429 or 503 is tried again up to ``retries`` more times, after 0.5 s, 1 s, 2 s, ...
+
+    Raises:
+        RolloutError: the gateway is unreachable, answered non-JSON, or refused the request (``status``
+            and ``code`` say how; ``code`` "context_length_exceeded": the prompt leaves no room to answer).
+    """
+    for attempt in range(retries + 1):
         try:
             response = await client.post("/admin/rollouts", json=body)
         except httpx.HTTPError as exc:
@@ -282,14 +305,17 @@ async def _post(client: httpx.AsyncClient, body: dict[str, Any], config: Rollout
             try:
                 return dict(response.json())
             except ValueError as exc:
-                raise RolloutError(f"POST /admin/rollouts answered non-JSON: {response.text[:200]!r}") from exc
-        error = _error(response)
-        if response.status_code == 400 and error.get("code") == "context_length_exceeded":
-            log.warning("rollout prompt skipped: no room for a response", extra={"error": error.get("message")})
-            return None
-        if response.status_code not in _RETRY_STATUSES or attempt == config.retries:
+                text = response.text[:200]
+                raise RolloutError(f"POST /admin/rollouts answered non-JSON: {text!r}", response.status_code) from exc
+        if response.status_code not in _RETRY_STATUSES or attempt == retries:
+            error = _error(response)
             message = error.get("message") or response.text[:300]
-            raise RolloutError(f"POST /admin/rollouts answered {response.status_code}: {message}", response.status_code)
+            code = error.get("code")
+            raise RolloutError(
+                f"POST /admin/rollouts answered {response.status_code}: {message}",
+                response.status_code,
+                code if isinstance(code, str) else None,
+            )
         await asyncio.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable: the last attempt returns or raises")
 

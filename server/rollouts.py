@@ -14,14 +14,15 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from server.choice import ChoiceState
 from server.engines.base import ROLLOUT_PRIORITY, Engine, SamplingParams
 from server.errors import ApiError
 from server.prompt import PromptRenderer, template_message
-from server.schemas import INT64_MAX, INT64_MIN, MAX_STOP, Message
+from server.schemas import INT64_MAX, INT64_MIN, Message, StopSequences
+from tandem.aio import gather_or_cancel
 
 __all__ = ["MAX_ROLLOUT_N", "RolloutRequest", "RolloutService"]
 
@@ -44,18 +45,8 @@ class RolloutRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="0 or -1 disables it")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
-    stop: str | list[str] | None = None
+    stop: StopSequences = None
     session_id: str | None = Field(None, max_length=256, description="routes like the user's session (cache reuse)")
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -105,7 +96,8 @@ class RolloutService:
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         started = time.perf_counter()
-        states = await _all(
+        # On the first failure the other samples are cancelled: their engine requests end.
+        states = await gather_or_cancel(
             [
                 self._sample(i, prompt_ids, SamplingParams(**{**asdict(base), "seed": s}), request)
                 for i, s in enumerate(seeds)
@@ -153,17 +145,6 @@ class RolloutService:
             async for chunk in chunks:
                 state.add(chunk)
         return state
-
-
-async def _all(coroutines: list[Any]) -> list[ChoiceState]:
-    """Run them together; on the first failure cancel the rest (their engine requests end) and raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _choice(state: ChoiceState) -> dict[str, Any]:

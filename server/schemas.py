@@ -8,13 +8,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+
+def check_stop_sequences(value: str | list[str] | None) -> str | list[str] | None:
+    """``value`` itself when it is at most ``MAX_STOP`` non-empty stop sequences (or one, or None)."""
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return value
+
+
+StopSequences = Annotated[str | list[str] | None, AfterValidator(check_stop_sequences)]
+"""A request's ``stop`` field: one sequence or a list of them, checked by ``check_stop_sequences``."""
 
 
 class _Request(BaseModel):
@@ -91,22 +105,12 @@ class ChatCompletionRequest(_Request):
     ignore_eos: bool = Field(False, description="SGLang extension: keep generating past end-of-sequence")
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopSequences = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
