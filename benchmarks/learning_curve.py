@@ -109,12 +109,13 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
-    for reward in dict.fromkeys(r["reward"] for r in runs):
+    for index, reward in enumerate(dict.fromkeys(r["reward"] for r in runs)):
+        colour = f"C{index}"
         curves = [r["curve"] for r in runs if r["reward"] == reward]
         mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
         for curve in curves:
-            axes.plot(range(len(curve)), curve, alpha=0.25, linewidth=1)
-        axes.plot(range(len(mean)), mean, linewidth=2.5, label=f"{reward} (mean of {len(curves)})")
+            axes.plot(range(len(curve)), curve, color=colour, alpha=0.25, linewidth=1)
+        axes.plot(range(len(mean)), mean, color=colour, linewidth=2.5, label=f"{reward} (mean of {len(curves)})")
     axes.set_xlabel("round")
     axes.set_ylabel("mean hidden score of fresh answers")
     axes.set_title(title)

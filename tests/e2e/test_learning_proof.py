@@ -5,6 +5,7 @@ The preference (``LetterPreference``: answers rich in the letters k and v) is on
 random weights can learn from ratings; the users differ in leniency and some give scores instead of
 up/down. Measured over seeds 0-3 with these settings (6 rounds of 64 ratings, learning rate 5e-2):
 the mean hidden score of fresh answers went from -0.03..+0.06 to 0.96..1.00 (the smallest rise 0.93).
+Two streaming clients run through all six hot swaps and none of their requests may fail.
 The test asks for a rise of 0.5: it fails when learning breaks (a sign error, ratings not reaching
 the round, the new version not served), not when the run is merely unlucky.
 """
@@ -21,6 +22,7 @@ from benchmarks.simulated_users import LetterPreference, Population, evaluate, q
 from learner.round import RoundConfig, run_round
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support.streaming_load import StreamingLoad
 
 SEED = 0
 ROUNDS = 6
@@ -48,6 +50,19 @@ def test_fresh_answers_improve_under_the_hidden_preference(gateway: Gateway, tmp
         return evaluate(client, gateway.model, preference, held_out, samples_per_prompt=4, max_tokens=MAX_TOKENS)
 
     before = fresh_score()
+    # Two streaming clients keep the server busy through all six hot swaps: none may fail.
+    with StreamingLoad(gateway.client(gateway.keys["sim"]), gateway.model, clients=2) as load:
+        versions = learn_rounds(gateway, population, tmp_path)
+    after = fresh_score()
+
+    assert load.failures == [] and load.completed > 0
+    assert len(set(versions)) == ROUNDS
+    assert len(load.fingerprints & set(versions)) >= 2  # the load was served by several of the new versions
+    assert after >= before + 0.5, f"fresh answers scored {before:+.3f} before learning and {after:+.3f} after"
+
+
+def learn_rounds(gateway: Gateway, population: Population, tmp_path: Path) -> list[str]:
+    client = gateway.client(gateway.keys["sim"])
     versions = []
     for round_index in range(ROUNDS):
         population.chat_and_rate(
@@ -65,8 +80,6 @@ def test_fresh_answers_improve_under_the_hidden_preference(gateway: Gateway, tmp
         )
         assert result.status == "succeeded", result.error
         assert result.samples == RATINGS_PER_ROUND  # every rating reached the round, none twice
+        assert result.version_id is not None
         versions.append(result.version_id)
-    after = fresh_score()
-
-    assert len(set(versions)) == ROUNDS
-    assert after >= before + 0.5, f"fresh answers scored {before:+.3f} before learning and {after:+.3f} after"
+    return versions

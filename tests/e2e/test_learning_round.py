@@ -7,8 +7,6 @@ the gateway busy while the round runs and every one of their requests must compl
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from openai import OpenAI
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
 from learner.debug_batch import replay_batch
+from learner.reward_model import RewardModelConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_metrics import RoundMetricsConfig
@@ -29,6 +27,7 @@ from storage import get_round, get_version, list_rounds, list_versions, serving_
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support.streaming_load import StreamingLoad
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LEARNING_RATE = 1e-2  # the tiny model is stored in bf16: smaller updates round away on export
@@ -83,59 +82,6 @@ def serving(gateway: Gateway) -> dict[str, Any]:
     response = httpx.get(f"{gateway.url}/admin/weights", headers=ADMIN)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-class StreamingLoad:
-    """Streaming clients looping until stopped; counts completed and failed requests."""
-
-    def __init__(self, client: OpenAI, model: str, clients: int = 3) -> None:
-        self.client, self.model = client, model
-        self.completed, self.failures = 0, []
-        self.fingerprints: set[str] = set()
-        self.completed_after_mark = 0
-        self._mark = float("inf")
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
-
-    def _loop(self, worker: int) -> None:
-        while not self._stop.is_set():
-            begun = time.monotonic()
-            try:
-                stream = self.client.chat.completions.create(
-                    model=self.model,
-                    messages=[{"role": "user", "content": f"count to ten, client {worker}"}],
-                    max_tokens=16,
-                    stream=True,
-                )
-                chunks = list(stream)
-                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-                if finish not in (["stop"], ["length"]):
-                    raise AssertionError(f"stream ended without a finish reason: {finish}")
-                with self._lock:
-                    self.completed += 1
-                    self.completed_after_mark += begun > self._mark
-                    self.fingerprints.update(c.system_fingerprint for c in chunks if c.system_fingerprint)
-            except Exception as exc:  # every failure is counted, none may happen
-                with self._lock:
-                    self.failures.append(repr(exc))
-
-    def __enter__(self) -> StreamingLoad:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # A few more requests that start after the swap, so the load covers the new version too
-        # (requests under way during the swap may finish afterwards on the old one).
-        with self._lock:
-            self._mark = time.monotonic()
-        target = len(self._threads)
-        while self.completed_after_mark < target and not self.failures and any(t.is_alive() for t in self._threads):
-            self._stop.wait(0.05)
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=120)
 
 
 def test_round_learns_and_swaps_without_a_failed_request(gateway: Gateway, model_dir: Path, tmp_path: Path) -> None:
@@ -250,6 +196,24 @@ def test_rollout_round_trains_on_real_groups(gateway: Gateway, tmp_path: Path) -
     # group whose rewards are all equal is dropped.
     assert {1: {5, 6}, 2: {11}}[metrics["groups_kept"]] >= {result.samples}
     assert serving(gateway)["weight_version"] == result.version_id
+
+
+def test_reward_model_is_used_only_when_trusted(gateway: Gateway, tmp_path: Path) -> None:
+    questions = [f"Question number {i}?" for i in range(18)]
+    chat_and_rate(gateway, [(q, "up" if i % 3 else "down") for i, q in enumerate(questions * 2)])
+    rollout = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=8, seed=3)
+    strict = RewardModelConfig(min_quality=1.01)  # no fit can reach it: the round falls back to feedback
+    fallback = run_round(round_config(gateway, tmp_path, reward="reward_model", reward_model=strict, rollout=rollout))
+    assert fallback.status == "succeeded", fallback.error
+    assert fallback.metrics["reward_model"].startswith("not used: held-out quality")
+    assert "rollout" not in fallback.seconds and fallback.samples == 36
+
+    chat_and_rate(gateway, [(q, "down" if i % 3 else "up") for i, q in enumerate(questions)])
+    lenient = RewardModelConfig(min_quality=-1.0)  # any fit is trusted: fresh rollouts get its scores
+    used = run_round(round_config(gateway, tmp_path, reward="reward_model", reward_model=lenient, rollout=rollout))
+    assert used.status == "succeeded", used.error
+    assert used.metrics["reward_model"] == "used" and used.metrics["reward_model/n"] >= 54
+    assert used.metrics["rollout_samples"] == 2 * 18 and "rollout" in used.seconds
 
 
 def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
