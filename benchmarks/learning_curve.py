@@ -78,7 +78,7 @@ def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> 
         def fresh() -> float:
             return evaluate(client, model, preference, held_out, samples_per_prompt=4, max_tokens=args.max_tokens)
 
-        curve, rounds = [fresh()], []
+        curve, rounds, first = [fresh()], [], answers(client, model)
         for index in range(args.rounds):
             population.chat_and_rate(client, model, args.ratings, seed=seed * 100 + index, max_tokens=args.max_tokens)
             started = time.perf_counter()
@@ -91,10 +91,27 @@ def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> 
             )
             curve.append(fresh())
             console.print(f"{reward} seed {seed} round {index + 1}: fresh {curve[-1]:+.3f} ({wall:.1f} s)")
-        return {"reward": reward, "seed": seed, "curve": curve, "rounds": rounds}
+        return {
+            "reward": reward,
+            "seed": seed,
+            "curve": curve,
+            "rounds": rounds,
+            "answers": {"before": first, "after": answers(client, model)},
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def answers(client: OpenAI, model: str, count: int = 3) -> list[dict[str, str]]:
+    """A few greedy answers of the final version, to read: learning must not cost coherence."""
+    out = []
+    for question in questions(count, seed=7):
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=64, temperature=0
+        )
+        out.append({"question": question, "answer": reply.choices[0].message.content or ""})
+    return out
 
 
 def _notes(metrics: dict[str, Any]) -> dict[str, Any]:
