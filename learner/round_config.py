@@ -20,7 +20,7 @@ from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from learner.trainers.child import DebugFault
 
-__all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult"]
+__all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
 # In the order a round runs them; ``rollout`` only when the reward can score new text.
 STAGES = ("collect", "reward", "rollout", "train", "export", "swap")
@@ -33,7 +33,7 @@ class RoundError(RuntimeError):
     """The round could not start (server unreachable, admin key refused, another round running)."""
 
 
-def _feedback_train_config() -> TrainConfig:
+def default_train_config() -> TrainConfig:
     # Logged answers may come from older versions than the one trained: TIS corrects for that.
     return TrainConfig(loss=PolicyLossConfig(use_tis=True))
 
@@ -89,7 +89,7 @@ class RoundConfig:
     reward_post_process_path: str | None = None
     buffer_filter_path: str | None = None
     # training
-    train_config: TrainConfig = field(default_factory=_feedback_train_config)
+    train_config: TrainConfig = field(default_factory=default_train_config)
     learning_rate: float = 1e-6
     num_steps: int = 1
     num_threads: int | None = None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
+from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
 from tandem.settings import Settings
 
@@ -36,4 +38,5 @@ def round_config(
         ),
         metrics=RoundMetricsConfig.from_settings(settings),
         save_batch_dir=settings.learn_save_batch_dir,
+        train_config=dataclasses.replace(default_train_config(), custom_loss_path=settings.learn_custom_loss_path),
     )

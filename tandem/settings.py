@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     learn_samples_per_prompt: int = Field(4, ge=1, le=64, description="rollouts per rated prompt (not feedback)")
     learn_rollout_max_tokens: int = Field(128, ge=1)
     learn_save_batch_dir: Path | None = Field(None, description="save each round's batch here (tandem replay)")
+    learn_custom_loss_path: str | None = Field(None, description="a loss replacing the built-in, 'module:function'")
     checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
     round_heartbeat_s: float = Field(30.0, gt=0)
     round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")

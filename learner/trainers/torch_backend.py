@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -25,9 +25,11 @@ from learner.algorithms import (
     entropy_from_logits,
     grpo_advantages,
     policy_loss_function,
+    reduce_masked,
     reinforce_plus_plus_baseline_advantages,
 )
 from learner.batching import PackedMicroBatch, block_causal_mask, collate_micro_batch, pack_samples, training_loss_mask
+from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
 
 __all__ = [
@@ -63,6 +65,7 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 4096
     clip_grad: float | None = 1.0  # slime's --clip-grad; None: no clipping (the norm is still reported)
     use_rollout_logprobs: bool = False
+    custom_loss_path: str | None = None  # slime's --custom-loss-function-path (see ``custom_loss``)
 
     def __post_init__(self) -> None:
         errors = []
@@ -76,6 +79,8 @@ class TrainConfig:
             errors.append("use_rollout_logprobs and use_tis exclude each other (TIS corrects the trainer's log-probs)")
         if errors:
             raise ValueError("invalid train config: " + "; ".join(errors))
+        if self.custom_loss_path is not None:
+            load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
 
 
 # log-probs
@@ -167,6 +172,34 @@ def _packed_response_values(
     return torch.cat(parts).to(device)
 
 
+def call_custom_loss(
+    plugin: Plugin,
+    config: TrainConfig,
+    batch: dict[str, Tensor | None],
+    logits: Tensor,
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, dict[str, float]]:
+    """A CUSTOM_LOSS plugin's ``(loss, metrics)`` for one packed micro-batch, checked.
+
+    slime's contract ``(args, batch, logits, sum_of_sample_mean)``; here ``args`` is the ``TrainConfig``,
+    ``batch`` holds the packed row's per-token tensors (``input_ids``, ``position_ids``, ``cu_seqlens``,
+    ``loss_mask``, ``log_probs`` with gradient, ``old_log_probs``, ``advantages``, and
+    ``rollout_log_probs`` / ``ref_log_probs`` or None), ``logits`` is ``[T, V]``, and
+    ``sum_of_sample_mean`` reduces per-token values exactly as the built-in loss does over the whole
+    step (so micro-batch losses add up to the step's).
+
+    Raises:
+        PluginError: the result is not a scalar tensor and a dict of numbers.
+    """
+    result = plugin.call(config, batch, logits, sum_of_sample_mean)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise plugin.error(f"returned {type(result).__name__}, not (loss, metrics)")
+    loss, metrics = result
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not isinstance(metrics, dict):
+        raise plugin.error("returned a loss that is not a scalar tensor, or metrics that are not a dict")
+    return loss, {name: float(value) for name, value in metrics.items()}
+
+
 def _refuse_if_not_finite(what: str, value: Tensor | float, optimizer: torch.optim.Optimizer) -> None:
     number = float(value.detach()) if isinstance(value, Tensor) else value
     if not math.isfinite(number):
@@ -222,6 +255,7 @@ def train_step(
         old_log_probs = [torch.tensor(s.rollout_log_probs) for s in samples]
     behaviour = [s.rollout_log_probs for s in samples] if loss_config.use_tis else None
 
+    custom = load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None
     started = time.perf_counter()
     device = next(model.parameters()).device
     num_tokens = sum(sum(training_loss_mask(s)) for s in samples)
@@ -241,23 +275,47 @@ def train_step(
             with torch.no_grad():
                 ref_log_probs = compute_log_probs(ref_model, batch)
 
-        result = policy_loss_function(
-            loss_config,
-            log_probs,
-            broadcast_to_tokens(advantages[list(batch.sample_indices)].to(device), loss_mask, cu_seqlens),
-            loss_mask,
-            old_log_probs=_packed_response_values(samples, batch, old_log_probs, device),
-            ref_log_probs=ref_log_probs,
-            rollout_log_probs=_packed_response_values(samples, batch, behaviour, device),
-            entropy=entropy,
-            num_samples=len(samples),
-            num_tokens=num_tokens,
-            cu_seqlens=cu_seqlens,
-        )
-        _refuse_if_not_finite("loss", result.loss, optimizer)
-        result.loss.backward()
+        token_advantages = broadcast_to_tokens(advantages[list(batch.sample_indices)].to(device), loss_mask, cu_seqlens)
+        old = _packed_response_values(samples, batch, old_log_probs, device)
+        rollout = _packed_response_values(samples, batch, behaviour, device)
+        if custom is not None:
+            tensors = {
+                "input_ids": batch.input_ids.to(device),
+                "position_ids": batch.position_ids.to(device),
+                "cu_seqlens": cu_seqlens,
+                "loss_mask": loss_mask,
+                "log_probs": log_probs,
+                "old_log_probs": log_probs.detach() if old is None else old,
+                "advantages": token_advantages,
+                "rollout_log_probs": rollout,
+                "ref_log_probs": ref_log_probs,
+            }
+
+            def sum_of_sample_mean(values: Tensor, mask: Tensor = loss_mask, cu: Tensor = cu_seqlens) -> Tensor:
+                return reduce_masked(
+                    values, mask, loss_config.reduction, num_samples=len(samples), num_tokens=num_tokens, cu_seqlens=cu
+                )
+
+            loss, parts = call_custom_loss(custom, config, tensors, logits, sum_of_sample_mean)
+        else:
+            result = policy_loss_function(
+                loss_config,
+                log_probs,
+                token_advantages,
+                loss_mask,
+                old_log_probs=old,
+                ref_log_probs=ref_log_probs,
+                rollout_log_probs=rollout,
+                entropy=entropy,
+                num_samples=len(samples),
+                num_tokens=num_tokens,
+                cu_seqlens=cu_seqlens,
+            )
+            loss, parts = result.loss, result.metrics()
+        _refuse_if_not_finite("loss", loss, optimizer)
+        loss.backward()
         # Every part is reduced over the whole step's counts, so micro-batch values add up to the step's.
-        for name, value in result.metrics().items():
+        for name, value in parts.items():
             totals[name] = totals.get(name, 0.0) + value
 
     parameters = [p for p in model.parameters() if p.grad is not None]

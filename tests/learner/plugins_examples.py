@@ -172,3 +172,20 @@ def custom_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) -> 
 
 def custom_loss_three_params(args: Any, batch: Any, logits: Any) -> tuple[Any, dict[str, Any]]:  # invalid
     return logits, {}
+
+
+# custom loss: (args, batch, logits, sum_of_sample_mean) -> (loss, metrics)
+
+
+def loss_vanilla_policy_gradient(
+    args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any
+) -> tuple[Any, dict[str, float]]:
+    """-A * log p, which on-policy has the built-in clipped loss's gradient."""
+    loss = sum_of_sample_mean(-batch["advantages"] * batch["log_probs"])
+    return loss, {"custom_loss": float(loss.detach())}
+
+
+def loss_not_a_tuple(
+    args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any
+) -> Any:  # invalid at runtime
+    return sum_of_sample_mean(batch["log_probs"])

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from learner.algorithms import PolicyLossConfig
+from learner.plugins import PluginError
 from learner.trainers import TrainConfig, TrainingDiverged, compute_advantages, train_step
 from tests.learner.trainers.conftest import load_tiny, random_samples
 
@@ -105,3 +106,28 @@ def test_config_is_validated_at_once() -> None:
         TrainConfig(max_tokens_per_micro_batch=0, clip_grad=0)
     with pytest.raises(ValueError, match="exclude each other"):
         TrainConfig(use_rollout_logprobs=True, loss=PolicyLossConfig(use_tis=True))
+
+
+@pytest.mark.parametrize("cap", [4096, 16])
+def test_a_custom_loss_by_dotted_path_replaces_the_built_in(base_dir: Path, cap: int) -> None:
+    samples = random_samples(6, seed=5)
+    stepped = []
+    for path in (None, "tests.learner.plugins_examples:loss_vanilla_policy_gradient"):
+        model = load_tiny(base_dir)
+        config = TrainConfig(clip_grad=None, max_tokens_per_micro_batch=cap, custom_loss_path=path)
+        metrics = train_step(model, sgd(model), samples, config)
+        stepped.append((metrics, weights(model)))
+    (built_in, built_in_weights), (custom, custom_weights) = stepped
+    assert "custom_loss" in custom and "pg_clipfrac" not in custom
+    assert custom["grad_norm"] == pytest.approx(built_in["grad_norm"], rel=1e-4)
+    for name, tensor in built_in_weights.items():  # the same gradient, so the same step
+        torch.testing.assert_close(custom_weights[name], tensor, atol=1e-6, rtol=1e-4)
+
+
+def test_a_custom_loss_is_checked(base_dir: Path) -> None:
+    with pytest.raises(PluginError, match="cannot import"):
+        TrainConfig(custom_loss_path="nowhere.at_all:loss")
+    model = load_tiny(base_dir)
+    config = TrainConfig(custom_loss_path="tests.learner.plugins_examples:loss_not_a_tuple")
+    with pytest.raises(PluginError, match="not \\(loss, metrics\\)"):
+        train_step(model, sgd(model), random_samples(2), config)
