@@ -233,6 +233,9 @@ class _Round:
             self.metrics["reward_model"] = f"not used: {exc}"
             return None
         self.metrics |= {f"reward_model/{name}": value for name, value in model.metrics.items()}
+        saved = config.checkpoint_dir / "reward_models" / self.round_id  # inspectable, reloadable
+        model.save(saved)
+        self.metrics["reward_model_path"] = str(saved)
         if not model.trusted:
             self.metrics["reward_model"] = (
                 f"not used: held-out quality {model.quality:.3f} < {config.reward_model.min_quality}"

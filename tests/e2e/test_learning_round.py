@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from typer.testing import CliRunner
 
 from learner.debug_batch import replay_batch
-from learner.reward_model import RewardModelConfig
+from learner.reward_model import FittedRewardModel, RewardModelConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_metrics import RoundMetricsConfig
@@ -214,6 +214,10 @@ def test_reward_model_is_used_only_when_trusted(gateway: Gateway, tmp_path: Path
     assert used.status == "succeeded", used.error
     assert used.metrics["reward_model"] == "used" and used.metrics["reward_model/n"] >= 54
     assert used.metrics["rollout_samples"] == 2 * 18 and "rollout" in used.seconds
+    saved = FittedRewardModel.load(Path(used.metrics["reward_model_path"]))
+    assert saved.metrics == {
+        k.removeprefix("reward_model/"): v for k, v in used.metrics.items() if k.startswith("reward_model/")
+    }
 
 
 def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
