@@ -8,6 +8,7 @@ from storage.api_keys import (
     lookup_api_key,
     revoke_api_key,
 )
+from storage.audit import AdminActionView, list_admin_actions, record_admin_action
 from storage.completions import (
     ChoiceView,
     CompletionView,
@@ -45,6 +46,7 @@ from storage.tenants import DEFAULT_TENANT_ID, ensure_tenant
 
 __all__ = [
     "DEFAULT_TENANT_ID",
+    "AdminActionView",
     "ApiKeyIdentity",
     "ChoiceView",
     "CompletionView",
@@ -73,6 +75,7 @@ __all__ = [
     "get_version",
     "heartbeat_round",
     "last_watermark",
+    "list_admin_actions",
     "list_api_keys",
     "list_rounds",
     "list_versions",
@@ -81,6 +84,7 @@ __all__ = [
     "make_session_factory",
     "queue_round",
     "rating_history",
+    "record_admin_action",
     "record_model_version",
     "revoke_api_key",
     "serving_version",

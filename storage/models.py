@@ -271,3 +271,21 @@ class TrainingRound(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
+
+
+class AdminAuditEntry(Base):
+    """One admin action: who (the admin key's identity), what, on which target, and its HTTP status."""
+
+    __tablename__ = "admin_audit_log"
+    __table_args__ = (
+        Index("ix_admin_audit_log_at", "at"),
+        {"sqlite_autoincrement": True},  # ids are the listing cursor: never reuse one
+    )
+
+    id: Mapped[int] = mapped_column(SequenceInt, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(256))
+    details: Mapped[dict[str, Any]]
+    status_code: Mapped[int]
