@@ -19,6 +19,7 @@ from server.conversation_log import ConversationLog
 from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
+from server.metrics import GatewayMetrics, MetricsMiddleware
 from server.rollouts import RolloutService
 from server.routes import router
 from server.weights import WeightService
@@ -81,6 +82,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             model_path = resolve_model(settings.model, settings.model_cache_dir)
         except (ValueError, RuntimeError) as exc:
             raise StartupError(str(exc)) from exc
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,7 +113,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             stack.push_async_callback(chat.close)
             app.state.chat = chat
             app.state.completions = CompletionService(conversation_log, sessions)
-            app.state.weights = WeightService(serving, sessions)
+            app.state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
+            app.state.engine = serving
+            app.state.sessions = sessions
             app.state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.rollout_max_concurrency)
             app.state.auth = Authenticator(
                 sessions,
@@ -133,6 +137,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside the body limit: its 413s count too
     app.add_middleware(RequestLogMiddleware)
     return app

@@ -336,7 +336,10 @@ class ChatService:
         first = call.states[0]
         request = call.request
         completion_tokens = sum(len(s.token_ids) for s in call.states)
-        call.log_fields.update(completion_tokens=completion_tokens, cached_tokens=first.cached_tokens, outcome=status)
+        replica = first.replica or self.engine.replica
+        call.log_fields.update(
+            completion_tokens=completion_tokens, cached_tokens=first.cached_tokens, outcome=status, replica=replica
+        )
         return CompletionRecord(
             id=call.id,
             tenant_id=call.identity.tenant_id,
@@ -346,7 +349,7 @@ class ChatService:
             prompt_token_ids=call.prompt_ids,
             choices=[s.record() for s in call.states],
             weight_version=first.weight_version or self.engine.model_info().weight_version,
-            engine_replica=first.replica or self.engine.replica,
+            engine_replica=replica,
             prompt_tokens=len(call.prompt_ids),
             cached_tokens=first.cached_tokens,
             completion_tokens=completion_tokens,

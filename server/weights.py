@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -32,9 +33,13 @@ __all__ = ["WeightService"]
 class WeightService:
     """What serves now, and rolling out another version (one rollout at a time)."""
 
-    def __init__(self, engine: Engine, sessions: sessionmaker[Session]) -> None:
+    def __init__(
+        self, engine: Engine, sessions: sessionmaker[Session], on_swap: Callable[[float], None] | None = None
+    ) -> None:
+        """``on_swap``: called with the seconds each successful swap took (the /metrics histogram)."""
         self._engine = engine
         self._sessions = sessions
+        self._on_swap = on_swap
         self._lock = asyncio.Lock()
 
     async def serving(self) -> dict[str, Any]:
@@ -69,6 +74,8 @@ class WeightService:
                     raise
                 raise _refused(model_path, exc) from exc
             swap_s = time.perf_counter() - started
+            if self._on_swap is not None:
+                self._on_swap(swap_s)
             try:
                 await asyncio.to_thread(self._promote, before.served_model_name, model_path, weight_version)
             except DBAPIError as exc:

@@ -270,6 +270,34 @@ class EnginePool:
         results = await asyncio.gather(*(r.client.flush_cache() for r in self.replicas.values() if r.healthy))
         return all(results)
 
+    # ---- operator drain ----
+
+    def drain(self, name: str) -> Replica:
+        """Take ``name`` out of rotation: its requests finish there, its sessions move to the next
+        replica on the ring. Draining the last replica in rotation is refused (ValueError): its
+        requests would have nowhere else to go.
+
+        Raises:
+            KeyError: no replica is called ``name``.
+        """
+        replica = self.replicas[name]
+        if replica.eligible and not any(r.eligible for r in self.replicas.values() if r is not replica):
+            raise ValueError(f"{name} is the only replica in rotation; undrain or restore another first")
+        replica.drained = True
+        log.info("engine replica drained", extra={"replica": name, "in_flight": replica.in_flight})
+        return replica
+
+    def undrain(self, name: str) -> Replica:
+        """Put ``name`` back in rotation (once healthy): its sessions return to it.
+
+        Raises:
+            KeyError: no replica is called ``name``.
+        """
+        replica = self.replicas[name]
+        replica.drained = False
+        log.info("engine replica undrained", extra={"replica": name})
+        return replica
+
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()

@@ -16,16 +16,19 @@ class Replica:
     ``healthy_after`` probes in a row and serves the pool's weights again.
     ``draining``: alive but being paused (weight update); new requests avoid it while any other
     replica can take them, and its probes are skipped (SGLang's health generate waits behind a pause).
+    ``drained``: taken out of rotation by an operator (POST /admin/engines/{name}/drain): it finishes
+    what it has, gets no new requests while another replica can take them, and is still probed.
     """
 
     name: str
     client: SGLangClient
     healthy: bool = False
     draining: bool = False
+    drained: bool = False
     in_flight: int = 0
     passed_probes: int = 0
     ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of rotation
 
     @property
     def eligible(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.drained

@@ -213,6 +213,11 @@ class LocalEngine:
         await asyncio.to_thread(self._thread.join)
 
     @property
+    def in_flight(self) -> int:
+        """Requests accepted and not yet finished (queued or running); the admin API's load."""
+        return self._in_flight
+
+    @property
     def running(self) -> int:
         """Requests in the decode batch now (finished ones leave it in the step that ends them)."""
         return len(self._running)

@@ -1,0 +1,192 @@
+"""GET /metrics on a live gateway (local engine, tiny model, SQLite): scraped and parsed after real
+requests, a real weight swap and real round rows."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from storage.db import make_engine, make_session_factory
+from storage.rounds import finish_round, start_round
+from storage.times import utcnow
+from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
+from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+CHAT = (("method", "POST"), ("route", "/v1/chat/completions"))
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    torch.set_num_threads(1)
+    settings = gateway_settings(tmp_path_factory.mktemp("metrics"), tiny_model_path(), admin_key=ADMIN_KEY)
+    with run_gateway(settings, tenants=("acme",)) as gw:
+        yield gw
+
+
+def parse(text: str) -> tuple[Samples, dict[str, str]]:
+    """Every sample by (name, sorted labels), and every metric's declared type."""
+    samples: Samples = {}
+    types: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+            continue
+        if line.startswith("#") or not line:
+            continue
+        match = SAMPLE.match(line)
+        assert match is not None, f"not a sample line: {line!r}"
+        name, labels, value = match.groups()
+        key = (name, tuple(sorted(LABEL.findall(labels or ""))))
+        assert key not in samples, f"duplicate sample {key}"
+        samples[key] = float(value)
+    return samples, types
+
+
+def scrape(gateway: Gateway) -> tuple[Samples, dict[str, str]]:
+    response = httpx.get(f"{gateway.url}/metrics", headers=ADMIN)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return parse(response.text)
+
+
+def chat_count(samples: Samples) -> float:
+    return samples.get(("tandem_http_requests_total", (*CHAT, ("status", "200"))), 0.0)
+
+
+def buckets(samples: Samples, name: str, labels: tuple[tuple[str, str], ...]) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of one histogram series, by bound."""
+    found = [
+        (float(dict(k[1])["le"]), v)
+        for k, v in samples.items()
+        if k[0] == f"{name}_bucket" and tuple(p for p in k[1] if p[0] != "le") == labels
+    ]
+    return sorted(found)
+
+
+def test_needs_the_admin_key(gateway: Gateway) -> None:
+    missing = httpx.get(f"{gateway.url}/metrics")
+    assert missing.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error"
+    tenant = httpx.get(f"{gateway.url}/metrics", headers={"Authorization": f"Bearer {gateway.keys['acme']}"})
+    assert tenant.status_code == 403
+    assert tenant.json()["error"]["code"] == "admin_required"
+
+
+def test_counters_rise_by_exactly_the_requests_made(gateway: Gateway) -> None:
+    before, types = scrape(gateway)
+    client = gateway.client(gateway.keys["acme"])
+    usages = []
+    for i in range(3):
+        reply = client.chat.completions.create(
+            model=gateway.model, messages=[{"role": "user", "content": f"count {i}"}], max_tokens=4, user="metrics-a"
+        )
+        usages.append(reply.usage)
+    for i in range(2):
+        stream = client.chat.completions.create(
+            model=gateway.model,
+            messages=[{"role": "user", "content": f"stream {i}"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usages.append(next(c for c in stream if c.usage is not None).usage)
+    bad = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": gateway.model}, headers=ADMIN)
+    assert bad.status_code == 400
+    after, types = scrape(gateway)
+
+    assert types["tandem_http_requests_total"] == "counter"
+    assert chat_count(after) - chat_count(before) == 5
+    bad_key = ("tandem_http_requests_total", (*CHAT, ("status", "400")))
+    assert after[bad_key] - before.get(bad_key, 0) == 1
+
+    assert types["tandem_http_request_duration_seconds"] == "histogram"
+    series = buckets(after, "tandem_http_request_duration_seconds", CHAT)
+    assert len(series) > 5 and series[-1][0] == float("inf")
+    counts = [count for _, count in series]
+    assert counts == sorted(counts), "histogram buckets are cumulative"
+    count_key = ("tandem_http_request_duration_seconds_count", CHAT)
+    assert after[count_key] - before.get(count_key, 0) == 6  # five answered, one refused
+    assert counts[-1] == after[count_key]
+    assert after[("tandem_http_request_duration_seconds_sum", CHAT)] > 0
+
+    replica = (("replica", "local-0"),)
+    for metric, attribute in (
+        ("tandem_prompt_tokens_total", "prompt_tokens"),
+        ("tandem_completion_tokens_total", "completion_tokens"),
+    ):
+        rise = after[(metric, replica)] - before.get((metric, replica), 0)
+        assert rise == sum(getattr(u, attribute) for u in usages), metric
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert cached > 0  # the prompts share the chat template's head, so the prefix cache has hits
+    assert (
+        after[("tandem_cached_tokens_total", replica)] - before.get(("tandem_cached_tokens_total", replica), 0)
+        == cached
+    )
+
+    assert after[("tandem_engine_healthy", replica)] == 1
+    assert after[("tandem_engine_drained", replica)] == 0
+    assert after[("tandem_engine_in_flight", replica)] == 0  # nothing running between requests
+    assert after[("tandem_database_up", ())] == 1
+
+
+def test_a_weight_swap_is_counted_with_its_duration(gateway: Gateway, tmp_path: Path) -> None:
+    before, _ = scrape(gateway)
+    assert before.get(("tandem_weight_swaps_total", ()), 0) == 0
+    model = perturb_weights(tiny_model_path(), tmp_path / "perturbed")
+    response = httpx.post(
+        f"{gateway.url}/admin/weights",
+        json={"model_path": str(model), "weight_version": "metrics-v1"},
+        headers=ADMIN,
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    after, types = scrape(gateway)
+    assert types["tandem_weight_swap_duration_seconds"] == "histogram"
+    assert after[("tandem_weight_swaps_total", ())] == 1
+    assert after[("tandem_weight_swap_duration_seconds_count", ())] == 1
+    assert after[("tandem_weight_swap_duration_seconds_sum", ())] == pytest.approx(response.json()["swap_s"])
+    refused = httpx.post(
+        f"{gateway.url}/admin/weights",
+        json={"model_path": str(tmp_path / "missing"), "weight_version": "metrics-bad"},
+        headers=ADMIN,
+    )
+    assert refused.status_code == 400
+    assert scrape(gateway)[0][("tandem_weight_swaps_total", ())] == 1  # a refused checkpoint is no swap
+
+
+def test_rounds_come_from_the_database(gateway: Gateway) -> None:
+    db = make_engine(gateway.settings.resolved_database_url)
+    began = utcnow() - timedelta(minutes=10)
+    try:
+        with make_session_factory(db).begin() as session:
+            for seconds, status in ((45, "succeeded"), (400, "succeeded"), (20, "failed")):
+                run = start_round(session, model="m-metrics", worker_id="w", now=began)
+                finish_round(
+                    session, round_id=run.id, status=status, watermark_to=0, now=began + timedelta(seconds=seconds)
+                )
+            start_round(session, model="m-metrics", worker_id="w", now=began)  # still running
+    finally:
+        db.dispose()
+    samples, types = scrape(gateway)
+    model = ("model", "m-metrics")
+    assert types["tandem_rounds"] == "gauge"
+    assert samples[("tandem_rounds", (model, ("status", "succeeded")))] == 2
+    assert samples[("tandem_rounds", (model, ("status", "failed")))] == 1
+    assert samples[("tandem_rounds", (model, ("status", "running")))] == 1
+    succeeded = (model, ("status", "succeeded"))
+    assert samples[("tandem_round_duration_seconds_count", succeeded)] == 2
+    assert samples[("tandem_round_duration_seconds_sum", succeeded)] == pytest.approx(445)
+    series = dict(buckets(samples, "tandem_round_duration_seconds", succeeded))
+    assert series[30.0] == 0 and series[60.0] == 1 and series[300.0] == 1 and series[600.0] == 2
