@@ -65,7 +65,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API; upgrades the database schema first."""
-    from server.app import StartupError, create_app
+    from admin.app import create_app  # the gateway with the admin API mounted
+    from server.app import StartupError
     from tandem.worker_child import attach_worker_child, with_internal_key
 
     settings = Settings().with_overrides(

@@ -16,7 +16,7 @@ import torch
 from openai import OpenAI
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.app import create_app
+from admin.app import create_app  # the gateway as `tandem serve` builds it, admin API included
 from storage.api_keys import create_api_key
 from storage.db import make_engine, make_session_factory
 from storage.migrate import upgrade

@@ -1,0 +1,58 @@
+"""What every admin route needs: the admin key's identity as the audit actor, and the database."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.errors import ApiError
+from server.routes.deps import AdminDep
+from storage.audit import record_admin_action
+
+T = TypeVar("T")
+
+DATABASE_DOWN = "The database is unavailable; retry shortly."
+
+
+async def _actor(request: Request, _: AdminDep) -> str:
+    """Who acts, for the audit log: a fingerprint of the admin key (never the key itself)."""
+    _, _, key = (request.headers.get("authorization") or "").partition(" ")
+    return "admin:" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
+
+
+async def _sessions(request: Request) -> sessionmaker[Session]:
+    return request.app.state.sessions
+
+
+ActorDep = Annotated[str, Depends(_actor)]
+SessionsDep = Annotated[sessionmaker[Session], Depends(_sessions)]
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run blocking database work off the event loop; a database outage is a 503, not a 500."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except DBAPIError as exc:
+        raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
+
+
+async def audit_refusal(
+    sessions: sessionmaker[Session], error: ApiError, *, actor: str, action: str, target: str | None
+) -> ApiError:
+    """Record a refused action with its status, and hand the error back to raise."""
+
+    def write() -> None:
+        with sessions.begin() as session:
+            details = {"error": error.message, "code": error.code}
+            record_admin_action(
+                session, actor=actor, action=action, target=target, details=details, status_code=error.status
+            )
+
+    await in_thread(write)
+    return error

@@ -1,0 +1,13 @@
+"""Admin routes under ``/admin``: thin handlers over storage and the server's services; admin key only."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from admin.routes import audit, runs, versions
+
+__all__ = ["router"]
+
+router = APIRouter()
+for module in (runs, versions, audit):
+    router.include_router(module.router)
