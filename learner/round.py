@@ -84,7 +84,8 @@ def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> 
         sessions = make_session_factory(db)
         parent = serving["version"]
         round_id, since = _start(sessions, config, serving["model"], parent["id"] if parent else None)
-        run = _Round(config, server, sessions, _Timer(on_stage), round_id, since, serving)
+        timer = _Timer(on_stage, lambda: _still_running(sessions, round_id))
+        run = _Round(config, server, sessions, timer, round_id, since, serving)
         try:
             with _heartbeat(sessions, round_id, config.heartbeat_s):
                 return run.learn()
@@ -93,6 +94,8 @@ def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> 
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StageFailed) else str(exc)
+            if not _still_running(sessions, round_id):  # cancelled (admin API) or declared dead: row is final
+                return run.result("failed", error=f"the round was stopped: its row is no longer running ({error})")
             run.finish(status="failed", error=error, metrics={"seconds": run.timer.seconds})
             return run.result("failed", error=error)
     finally:
@@ -396,12 +399,16 @@ def _start(sessions: sessionmaker[Session], config: RoundConfig, model: str, par
 
 
 class _Timer:
-    def __init__(self, on_stage: StageCallback | None) -> None:
+    def __init__(self, on_stage: StageCallback | None, still_running: Callable[[], bool]) -> None:
         self.on_stage = on_stage
+        self.still_running = still_running
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
+        # Every stage boundary checks the row, so a cancelled round stops before it trains or swaps.
+        if not self.still_running():
+            raise _StageFailed(f"the round was cancelled before {stage}")
         if self.on_stage:
             self.on_stage(stage, None)
         started = time.perf_counter()
@@ -409,6 +416,12 @@ class _Timer:
         self.seconds[stage] = time.perf_counter() - started
         if self.on_stage:
             self.on_stage(stage, self.seconds[stage])
+
+
+def _still_running(sessions: sessionmaker[Session], round_id: str) -> bool:
+    """A heartbeat that answers: False once the round was cancelled or declared dead."""
+    with sessions.begin() as session:
+        return heartbeat_round(session, round_id=round_id)
 
 
 @contextmanager
