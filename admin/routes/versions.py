@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import ActorDep, SessionsDep, audit_refusal, in_thread
 from admin.routes.pages import Limit, page
+from server.engines.base import EngineError
 from server.errors import ApiError
 from server.routes.deps import AdminDep, WeightsDep, json_response
 from server.schemas import ERRORS
@@ -118,6 +119,10 @@ async def _swap(
         result = await weights.roll_out(version.checkpoint_path, version.id)
     except ApiError as exc:
         raise await audit_refusal(sessions, exc, actor=actor, action=audit_action, target=version_id) from exc
+    except EngineError as exc:  # replicas unavailable mid-swap: audited, answered by the engine error handler
+        failed = ApiError(exc.status, str(exc), code="engine_error")
+        await audit_refusal(sessions, failed, actor=actor, action=audit_action, target=version_id)
+        raise
     details = {
         "model": version.model,
         "previous_version": result["previous_version"],
