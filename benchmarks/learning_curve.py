@@ -31,6 +31,8 @@ from benchmarks.simulated_users import BrevityPreference, LetterPreference, Popu
 from learner.judge import JudgeConfig
 from learner.rollout import RolloutConfig
 from learner.round import STAGES, RoundConfig, run_round
+from learner.round_settings import train_config
+from tandem.settings import Settings
 
 ADMIN_KEY = "learning-curve-admin"
 PREFERENCES: dict[str, tuple[Preference, str]] = {
@@ -73,6 +75,7 @@ def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> 
             reward_path=plugin if reward == "custom" else None,
             rollout=RolloutConfig(n_samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_tokens),
             judge=JudgeConfig(max_tokens=args.judge_max_tokens),
+            train_config=train_config(Settings(learn_kl_coef=args.kl)),
         )
 
         def fresh() -> float:
@@ -155,6 +158,7 @@ def main() -> None:
     parser.add_argument("--judge-max-tokens", type=int, default=64, help="the judge's verdict length")
     parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument("--lr", type=float, default=5e-2)
+    parser.add_argument("--kl", type=float, default=0.0, help="KL loss coefficient (low_var_kl to the first model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()

@@ -292,6 +292,13 @@ class _Round:
             Path(parent["checkpoint_path"]) if parent else (self.config.model_dir or Path(self.serving["model_path"]))
         )
 
+    @property
+    def root_dir(self) -> Path:
+        """The model the lineage started from: the KL loss's reference (slime's initial model)."""
+        parent = self.parent
+        recorded = (parent or {}).get("metrics", {}).get("base_model_path")
+        return Path(recorded) if recorded else self.base_dir
+
     def training_request(self, advantages: list[float]) -> TrainingRequest:
         config = self.config
         return TrainingRequest(
@@ -305,6 +312,7 @@ class _Round:
             timeout_s=config.train_timeout_s,
             debug_fault=config.debug_fault,
             advantages=tuple(advantages),
+            reference_model_dir=self.root_dir,
         )
 
     def train(self, request: TrainingRequest) -> Path:
@@ -337,7 +345,7 @@ class _Round:
                 sha256=sha256,
                 parent_id=parent["id"] if parent else None,
                 watermark=self.watermark,
-                metrics={**self.metrics, "round_id": self.round_id},
+                metrics={**self.metrics, "round_id": self.round_id, "base_model_path": str(self.root_dir)},
             )
         return version_id
 

@@ -9,9 +9,17 @@ from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
 from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
+from learner.trainers import TrainConfig
 from tandem.settings import Settings
 
-__all__ = ["round_config"]
+__all__ = ["round_config", "train_config"]
+
+
+def train_config(settings: Settings) -> TrainConfig:
+    """The default training knobs with the learner settings' KL loss and custom loss."""
+    defaults = default_train_config()
+    loss = dataclasses.replace(defaults.loss, kl_loss_coef=settings.learn_kl_coef, kl_loss_type=settings.learn_kl_type)
+    return dataclasses.replace(defaults, loss=loss, custom_loss_path=settings.learn_custom_loss_path)
 
 
 def round_config(
@@ -38,5 +46,5 @@ def round_config(
         ),
         metrics=RoundMetricsConfig.from_settings(settings),
         save_batch_dir=settings.learn_save_batch_dir,
-        train_config=dataclasses.replace(default_train_config(), custom_loss_path=settings.learn_custom_loss_path),
+        train_config=train_config(settings),
     )

@@ -94,6 +94,8 @@ class Settings(BaseSettings):
     learn_samples_per_prompt: int = Field(4, ge=1, le=64, description="rollouts per rated prompt (not feedback)")
     learn_rollout_max_tokens: int = Field(128, ge=1)
     learn_save_batch_dir: Path | None = Field(None, description="save each round's batch here (tandem replay)")
+    learn_kl_coef: float = Field(0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
+    learn_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     learn_custom_loss_path: str | None = Field(None, description="a loss replacing the built-in, 'module:function'")
     checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
     round_heartbeat_s: float = Field(30.0, gt=0)

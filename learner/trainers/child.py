@@ -61,6 +61,8 @@ class TrainingRequest:
     debug_fault: DebugFault | None = None
     # One per sample, computed by the caller (e.g. reward minus a feedback baseline); None: from the rewards.
     advantages: tuple[float, ...] | None = None
+    # The KL loss's reference policy (slime: the initial model); None: the base checkpoint itself.
+    reference_model_dir: Path | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -86,6 +88,7 @@ class TrainingRequest:
         data.update(
             base_model_dir=str(self.base_model_dir),
             out_dir=str(self.out_dir),
+            reference_model_dir=None if self.reference_model_dir is None else str(self.reference_model_dir),
             samples=[s.to_dict() for s in self.samples],
             config=dataclasses.asdict(self.config),
         )
@@ -99,6 +102,7 @@ class TrainingRequest:
         data.update(
             base_model_dir=Path(data["base_model_dir"]),
             out_dir=Path(data["out_dir"]),
+            reference_model_dir=None if data.get("reference_model_dir") is None else Path(data["reference_model_dir"]),
             samples=tuple(Sample.from_dict(s) for s in data["samples"]),
             config=TrainConfig(**config),
             advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
@@ -202,19 +206,19 @@ def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportR
     if request.num_threads is not None:
         torch.set_num_threads(request.num_threads)
 
-    def load() -> torch.nn.Module:
+    def load(path: Path) -> torch.nn.Module:
         # Trained in float32 whatever the checkpoint holds: bf16 updates of size lr * grad round to 0.
-        model = AutoModelForCausalLM.from_pretrained(request.base_model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return model.to(request.device)
 
-    model = load()
+    model = load(request.base_model_dir)
     if request.debug_fault == "exit":
         os._exit(DEBUG_EXIT_CODE)
     if request.debug_fault == "hang":
         time.sleep(request.timeout_s + 3600)
     ref_model = None
     if request.config.loss.kl_loss_coef != 0:
-        ref_model = load().eval().requires_grad_(False)
+        ref_model = load(request.reference_model_dir or request.base_model_dir).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=request.learning_rate, weight_decay=request.weight_decay)
     samples = list(request.samples)
     advantages = None if request.advantages is None else torch.tensor(request.advantages, dtype=torch.float32)

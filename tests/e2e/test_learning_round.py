@@ -18,11 +18,13 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
+from learner.algorithms import PolicyLossConfig
 from learner.debug_batch import replay_batch
 from learner.reward_model import FittedRewardModel, RewardModelConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_metrics import RoundMetricsConfig
+from learner.trainers import TrainConfig
 from storage import get_round, get_version, list_rounds, list_versions, serving_version
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path
@@ -218,6 +220,22 @@ def test_reward_model_is_used_only_when_trusted(gateway: Gateway, tmp_path: Path
     assert saved.metrics == {
         k.removeprefix("reward_model/"): v for k, v in used.metrics.items() if k.startswith("reward_model/")
     }
+
+
+def test_kl_loss_anchors_to_the_lineages_first_model(gateway: Gateway, model_dir: Path, tmp_path: Path) -> None:
+    kl = TrainConfig(loss=PolicyLossConfig(use_tis=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl"))
+    results = []
+    for question in ("First KL question?", "Second KL question?"):
+        chat_and_rate(gateway, [(question, "up"), (question, "down")])
+        results.append(run_round(round_config(gateway, tmp_path, train_config=kl)))
+    first, second = results
+    assert first.status == second.status == "succeeded"
+    with gateway.sessions()() as session:
+        rows = [get_version(session, version_id=r.version_id or "") for r in results]
+    root = rows[0].metrics["base_model_path"]
+    assert rows[1].metrics["base_model_path"] == root and rows[1].parent_id == rows[0].id
+    # The second round trains a version that moved away from the root: its KL to it is not zero.
+    assert second.metrics["kl_loss"] > 0
 
 
 def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
