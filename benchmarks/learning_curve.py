@@ -170,7 +170,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="tandem-curve-") as workdir:
                 runs.append(one_run(args, reward, seed, Path(workdir)))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"learning_curve_{Path(args.model).name}_{args.preference}"
+    stem = f"learning_curve_{Path(args.model).name}_{args.preference}" + (f"_kl{args.kl:g}" if args.kl else "")
     (args.out / f"{stem}.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
     plot(runs, args.out / f"{stem}.png", f"{Path(args.model).name}, {args.preference} preference")
 
