@@ -85,6 +85,13 @@ class Authenticator:
         digest = hashlib.sha256(key.strip().encode()).digest()
         return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._internal_digest)
 
+    def forget(self, key_hash: str | None = None) -> None:
+        """Drop what is cached about a key (its stored SHA-256 hex) and about keyless use, so a key
+        revoked or created through this gateway takes effect at once (other gateways: within KEY_TTL_S)."""
+        if key_hash is not None:
+            self._keys.pop(bytes.fromhex(key_hash), None)
+        self._keyless = (False, 0.0)
+
     async def identify(self, authorization: str | None) -> Identity:
         now = time.monotonic()
         if self._is_internal(authorization):

@@ -35,6 +35,7 @@ class GatewayMetrics:
             "Time from request to the last byte of the answer, by route and method.",
             LATENCY_BUCKETS_S,
         )
+        self.completions = Counter("tandem_completions", "Chat completions the engines answered, by replica.")
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens sent to the engines, by replica.")
         self.completion_tokens = Counter("tandem_completion_tokens", "Tokens the engines generated, by replica.")
         self.cached_tokens = Counter(
@@ -50,6 +51,7 @@ class GatewayMetrics:
         if "completion_tokens" not in fields:
             return
         replica = str(fields.get("replica") or "unknown")
+        self.completions.inc(replica=replica)
         self.prompt_tokens.inc(fields.get("prompt_tokens", 0), replica=replica)
         self.completion_tokens.inc(fields["completion_tokens"], replica=replica)
         self.cached_tokens.inc(fields.get("cached_tokens", 0), replica=replica)
@@ -129,6 +131,7 @@ async def scrape(metrics: GatewayMetrics, engine: Engine, sessions: sessionmaker
     return render(
         metrics.requests.render(),
         metrics.latency.render(),
+        metrics.completions.render(),
         metrics.prompt_tokens.render(),
         metrics.completion_tokens.render(),
         metrics.cached_tokens.render(),

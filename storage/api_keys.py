@@ -76,3 +76,20 @@ def revoke_api_key(session: Session, key_id: str) -> ApiKey | None:
         key.revoked_at = utcnow()
         session.flush()
     return key
+
+
+def revoke_tenant_keys(session: Session, tenant_id: str) -> list[ApiKey]:
+    """Revoke every active key of a tenant; returns the keys this call revoked."""
+    keys = list(session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))))
+    now = utcnow()
+    for key in keys:
+        key.revoked_at = now
+    session.flush()
+    return keys
+
+
+def count_active_keys_by_tenant(session: Session) -> dict[str, int]:
+    rows = session.execute(
+        select(ApiKey.tenant_id, func.count()).where(ApiKey.revoked_at.is_(None)).group_by(ApiKey.tenant_id)
+    )
+    return {tenant_id: count for tenant_id, count in rows}

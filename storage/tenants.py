@@ -24,3 +24,7 @@ def ensure_tenant(session: Session, tenant_id: str, name: str | None = None) -> 
 
 def tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+
+
+def list_tenants(session: Session) -> list[Tenant]:
+    return list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from admin.routes import audit, runs, versions
+from admin.routes import audit, engines, keys, runs, tenants, versions
 
 __all__ = ["router"]
 
 router = APIRouter()
-for module in (runs, versions, audit):
+for module in (runs, versions, audit, engines, keys, tenants):
     router.include_router(module.router)

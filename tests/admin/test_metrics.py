@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from sqlalchemy.exc import OperationalError
 
 from storage.db import make_engine, make_session_factory
 from storage.rounds import finish_round, start_round
@@ -122,6 +123,8 @@ def test_counters_rise_by_exactly_the_requests_made(gateway: Gateway) -> None:
     assert after[("tandem_http_request_duration_seconds_sum", CHAT)] > 0
 
     replica = (("replica", "local-0"),)
+    completions = ("tandem_completions_total", replica)
+    assert after[completions] - before.get(completions, 0) == 5
     for metric, attribute in (
         ("tandem_prompt_tokens_total", "prompt_tokens"),
         ("tandem_completion_tokens_total", "completion_tokens"),
@@ -166,19 +169,26 @@ def test_a_weight_swap_is_counted_with_its_duration(gateway: Gateway, tmp_path: 
     assert scrape(gateway)[0][("tandem_weight_swaps_total", ())] == 1  # a refused checkpoint is no swap
 
 
-def test_rounds_come_from_the_database(gateway: Gateway) -> None:
-    db = make_engine(gateway.settings.resolved_database_url)
+def record_rounds(database_url: str) -> None:
+    """Three finished rounds and a running one, ten minutes ago."""
     began = utcnow() - timedelta(minutes=10)
-    try:
-        with make_session_factory(db).begin() as session:
-            for seconds, status in ((45, "succeeded"), (400, "succeeded"), (20, "failed")):
-                run = start_round(session, model="m-metrics", worker_id="w", now=began)
-                finish_round(
-                    session, round_id=run.id, status=status, watermark_to=0, now=began + timedelta(seconds=seconds)
-                )
-            start_round(session, model="m-metrics", worker_id="w", now=began)  # still running
-    finally:
-        db.dispose()
+    with make_session_factory(make_engine(database_url)).begin() as session:
+        for seconds, status in ((45, "succeeded"), (400, "succeeded"), (20, "failed")):
+            run = start_round(session, model="m-metrics", worker_id="w", now=began)
+            finish_round(
+                session, round_id=run.id, status=status, watermark_to=0, now=began + timedelta(seconds=seconds)
+            )
+        start_round(session, model="m-metrics", worker_id="w", now=began)  # still running
+
+
+def test_rounds_come_from_the_database(gateway: Gateway) -> None:
+    for attempt in range(5):
+        try:  # the gateway's log commits meanwhile; SQLite then refuses a read-then-write at once
+            record_rounds(gateway.settings.resolved_database_url)
+            break
+        except OperationalError:
+            if attempt == 4:
+                raise
     samples, types = scrape(gateway)
     model = ("model", "m-metrics")
     assert types["tandem_rounds"] == "gauge"
