@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -102,6 +103,13 @@ def error(response: httpx.Response, status: int, code: str | None = None) -> dic
     if code is not None:
         assert body["code"] == code, body
     return body
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def serving(gateway: Gateway) -> str:
@@ -202,6 +210,7 @@ def test_rollback_and_promote_swap_with_zero_failures(
     with StreamingLoad(gateway.client(gateway.keys["acme"]), gateway.model) as load:
         back = ok(admin(gateway, "POST", f"/admin/versions/{v1}/rollback", json={"reason": "v2 regressed"}))
         assert back["weight_version"] == v1 and back["previous_version"] == v2
+        wait_for(lambda: v1 in load.fingerprints)  # the clients saw v1 before it goes again
         forward = ok(admin(gateway, "POST", "/admin/versions/cand-1/promote"))
         assert forward["weight_version"] == "cand-1" and forward["previous_version"] == v1
     assert load.failures == [] and load.completed > 0
