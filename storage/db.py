@@ -60,7 +60,12 @@ def _configure_sqlite(engine: Engine, busy_timeout_ms: int, synchronous: str) ->
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN")
+        # IMMEDIATE takes the write lock up front, waiting up to busy_timeout for it. A deferred
+        # transaction that reads and then writes fails at once ("database is locked") when another
+        # connection committed since its read: WAL cannot upgrade a stale snapshot, and SQLite does not
+        # call the busy handler for that. Every transaction, reads included, now takes the lock in
+        # turn: an embedded single-node database can afford that; PostgreSQL is the one to scale.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
