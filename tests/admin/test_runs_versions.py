@@ -96,6 +96,12 @@ def ok(response: httpx.Response) -> Any:
     return response.json()
 
 
+def versions_of(gateway: Gateway) -> tuple[Any, ...]:
+    # Closed at once: an open SQLite transaction holds the write lock (BEGIN IMMEDIATE).
+    with gateway.sessions()() as session:
+        return tuple(list_versions(session, model=gateway.model))
+
+
 def error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert response.status_code == status, response.text
     body = response.json()["error"]
@@ -215,7 +221,7 @@ def test_rollback_and_promote_swap_with_zero_failures(
         assert forward["weight_version"] == "cand-1" and forward["previous_version"] == v1
     assert load.failures == [] and load.completed > 0
     assert {v1, "cand-1"} <= load.fingerprints
-    statuses = {v.id: v.status for v in list_versions(gateway.sessions()(), model=gateway.model)}
+    statuses = {v.id: v.status for v in versions_of(gateway)}
     assert statuses == {v1: "retired", v2: "retired", "cand-1": "serving", "bad-1": "rejected"}
 
     error(admin(gateway, "POST", "/admin/versions/bad-1/promote"), 409, "version_state")
@@ -249,7 +255,7 @@ def test_rollback_and_promote_swap_with_zero_failures(
 def test_cancel_a_hanging_round(gateway: Gateway, history: History, tmp_path: Path) -> None:
     chat_and_rate(gateway, ["Count to two.", "Count to three."])
     before = serving(gateway)
-    versions_before = list_versions(gateway.sessions()(), model=gateway.model)
+    versions_before = versions_of(gateway)
     training = threading.Event()
     results: list[RoundResult] = []
     config = round_config(gateway, tmp_path, debug_fault="hang", train_timeout_s=3.0, heartbeat_s=0.2)
@@ -289,7 +295,7 @@ def test_cancel_stops_a_round_at_the_next_stage_boundary(gateway: Gateway, histo
     """Cancelled while it trains, a round whose training succeeds still never records nor serves it."""
     chat_and_rate(gateway, ["Pick red.", "Pick blue."])
     before = serving(gateway)
-    versions_before = list_versions(gateway.sessions()(), model=gateway.model)
+    versions_before = versions_of(gateway)
 
     def on_stage(stage: str, seconds: float | None) -> None:
         if stage == "train" and seconds is None:  # the round's own thread, as training starts
