@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel, Field
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +32,14 @@ async def _sessions(request: Request) -> sessionmaker[Session]:
 
 
 ActorDep = Annotated[str, Depends(_actor)]
+
+
+class ReasonRequest(BaseModel):
+    """The optional body of a mutating admin action: why, for the audit log."""
+
+    reason: str | None = Field(default=None, max_length=1000, description="Why, for the audit log.")
+
+
 SessionsDep = Annotated[sessionmaker[Session], Depends(_sessions)]
 
 

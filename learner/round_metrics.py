@@ -18,9 +18,11 @@ import importlib.util
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from learner.algorithms.losses import LossResult
 
 if TYPE_CHECKING:
     from tandem.settings import Settings
@@ -47,20 +49,8 @@ ROLLOUT_NAMES = frozenset(
         "response_length_mean",
     }
 )
-TRAIN_NAMES = frozenset(
-    {
-        "loss",
-        "pg_loss",
-        "pg_clipfrac",
-        "ppo_kl",
-        "entropy_loss",
-        "kl_loss",
-        "tis",
-        "tis_clipfrac",
-        "train_rollout_logprob_abs_diff",
-        "grad_norm",
-    }
-)
+# The loss's own parts (slime's train/ names) and the step's gradient norm.
+TRAIN_NAMES = frozenset({f.name for f in fields(LossResult)} | {"grad_norm"})
 
 
 @dataclass(frozen=True, slots=True)

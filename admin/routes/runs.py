@@ -8,10 +8,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session, sessionmaker
 
-from admin.deps import ActorDep, SessionsDep, audit_refusal, in_thread
+from admin.deps import ActorDep, ReasonRequest, SessionsDep, audit_refusal, in_thread
 from admin.routes.pages import Limit, page
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
@@ -19,17 +18,12 @@ from server.schemas import ERRORS
 from storage.audit import record_admin_action
 from storage.learning_errors import LearningStateError, NotFoundError
 from storage.round_search import search_rounds
-from storage.rounds import TrainingRoundView, cancel_round, get_round
+from storage.rounds import RoundTrigger, TrainingRoundView, cancel_round, get_round
 
 router = APIRouter()
 
 ERROR_TAIL_CHARS = 4000  # a traceback's end says what failed; the start is framework frames
 RoundStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-RoundTrigger = Literal["schedule", "manual"]
-
-
-class CancelRequest(BaseModel):
-    reason: str | None = Field(default=None, max_length=1000, description="Why, for the audit log.")
 
 
 @router.get("/admin/runs", response_model=None, responses=ERRORS)
@@ -71,7 +65,7 @@ async def get_run(round_id: str, _: AdminDep, sessions: SessionsDep) -> Response
 
 @router.post("/admin/runs/{round_id}/cancel", response_model=None, responses=ERRORS)
 async def cancel_run(
-    round_id: str, actor: ActorDep, sessions: SessionsDep, body: CancelRequest | None = None
+    round_id: str, actor: ActorDep, sessions: SessionsDep, body: ReasonRequest | None = None
 ) -> Response:
     """Cancel a queued or running round; a running one stops at its next stage boundary."""
     reason = body.reason if body else None

@@ -14,10 +14,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session, sessionmaker
 
-from admin.deps import ActorDep, SessionsDep, audit_refusal, in_thread
+from admin.deps import ActorDep, ReasonRequest, SessionsDep, audit_refusal, in_thread
 from admin.routes.pages import Limit, page
 from server.engines.base import EngineError
 from server.errors import ApiError
@@ -47,10 +46,6 @@ ALLOWED: dict[Action, dict[str, str | None]] = {
         "rejected": "it was rejected",
     },
 }
-
-
-class SwapRequest(BaseModel):
-    reason: str | None = Field(default=None, max_length=1000, description="Why, for the audit log.")
 
 
 @router.get("/admin/versions", response_model=None, responses=ERRORS)
@@ -91,7 +86,7 @@ async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep
 
 @router.post("/admin/versions/{version_id}/promote", response_model=None, responses=ERRORS)
 async def promote(
-    version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: SwapRequest | None = None
+    version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:
     """Serve a candidate on every replica (rolling hot swap)."""
     return await _swap("promote", version_id, actor, sessions, weights, body)
@@ -99,7 +94,7 @@ async def promote(
 
 @router.post("/admin/versions/{version_id}/rollback", response_model=None, responses=ERRORS)
 async def rollback(
-    version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: SwapRequest | None = None
+    version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:
     """Serve again a version that served before (rolling hot swap)."""
     return await _swap("rollback", version_id, actor, sessions, weights, body)
@@ -111,7 +106,7 @@ async def _swap(
     actor: str,
     sessions: sessionmaker[Session],
     weights: WeightsDep,
-    body: SwapRequest | None,
+    body: ReasonRequest | None,
 ) -> Response:
     audit_action = f"version.{action}"
     try:

@@ -13,6 +13,7 @@ non-finite value there makes its local gradient NaN even though the mask leaves 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -258,18 +259,8 @@ class LossResult:
 
     def metrics(self) -> dict[str, float]:
         """The values that are set, as floats keyed by slime's metric names."""
-        names = (
-            "loss",
-            "pg_loss",
-            "pg_clipfrac",
-            "ppo_kl",
-            "entropy_loss",
-            "kl_loss",
-            "tis",
-            "tis_clipfrac",
-            "train_rollout_logprob_abs_diff",
-        )
-        return {name: value.detach().item() for name in names if (value := getattr(self, name)) is not None}
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value.detach().item() for name, value in values if value is not None}
 
 
 def policy_loss_function(
