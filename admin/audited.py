@@ -6,11 +6,9 @@ the status it got (admin.deps.audit_refusal). A database outage is a 503, never 
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import audit_refusal, in_thread
@@ -18,15 +16,6 @@ from server.errors import ApiError
 from storage.audit import record_admin_action
 
 T = TypeVar("T")
-
-# SQLite's busy timeout does not cover a read transaction that turns into a write after another
-# connection committed (the conversation log commits all the time): it fails at once, and a fresh
-# transaction succeeds. PostgreSQL never raises this.
-SQLITE_BUSY_RETRIES = 4
-
-
-def _sqlite_busy(exc: OperationalError) -> bool:
-    return isinstance(exc.orig, sqlite3.OperationalError) and "database is locked" in str(exc.orig)
 
 
 async def audited(
@@ -40,22 +29,14 @@ async def audited(
 ) -> T:
     """Run ``work`` (returning its result and the audit details) and record ``action`` with it."""
 
-    def once() -> T:
+    # SQLite transactions begin IMMEDIATE (storage.db), so a read-then-write here waits for the lock.
+    def run() -> T:
         with sessions.begin() as session:
             result, details = work(session)
             record_admin_action(
                 session, actor=actor, action=action, target=target, details=details, status_code=status_code
             )
             return result
-
-    def run() -> T:
-        for _ in range(SQLITE_BUSY_RETRIES):
-            try:
-                return once()
-            except OperationalError as exc:
-                if not _sqlite_busy(exc):
-                    raise
-        return once()
 
     try:
         return await in_thread(run)
