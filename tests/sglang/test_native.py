@@ -30,6 +30,14 @@ async def sglang(sglang_url: str) -> AsyncIterator[SGLangClient]:
     await client.close()
 
 
+async def healthy_within(client: SGLangClient, attempts: int) -> bool:
+    for _ in range(attempts):
+        if await client.health():
+            return True
+        await asyncio.sleep(1)
+    return False
+
+
 async def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(
     sglang: SGLangClient, tiny_model: Path
 ) -> None:
@@ -61,7 +69,9 @@ async def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(
     result = await asyncio.wait_for(waiting, 60)
     assert result.finish is not None and result.finish.type == "length"
     assert result.token_ids == greedy_reference(tiny_model, PROMPTS[1], 6)
-    assert await sglang.health()
+    # /health_generate runs a generation of its own, which can miss its deadline right after
+    # continue_generation on a busy CPU; the server must be healthy again within a few probes.
+    assert await healthy_within(sglang, attempts=3)
 
 
 async def test_local_engine_sglang_and_transformers_agree(sglang: SGLangClient, tiny_model: Path) -> None:
