@@ -267,6 +267,8 @@ class TrainingRound(Base):
     metrics: Mapped[dict[str, Any]]
     error: Mapped[str | None] = mapped_column(Text)
     worker_id: Mapped[str | None] = mapped_column(String(256))
+    # The schedule that fired it (no foreign key: the round's history outlives a deleted schedule).
+    schedule_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -289,3 +291,61 @@ class AdminAuditEntry(Base):
     target: Mapped[str | None] = mapped_column(String(256))
     details: Mapped[dict[str, Any]]
     status_code: Mapped[int]
+
+
+SCHEDULE_KINDS = ("cron", "interval", "feedback")
+
+
+class TrainingSchedule(Base):
+    """When rounds fire: a cron expression, a fixed interval, or after ``min_feedback`` new ratings.
+
+    Quiet hours (``quiet_start``-``quiet_end``, "HH:MM" in ``timezone``) skip the slots inside them;
+    ``round_settings`` overrides the learner's round settings for the rounds it fires.
+    """
+
+    __tablename__ = "training_schedules"
+    __table_args__ = (CheckConstraint(_one_of("kind", SCHEDULE_KINDS), name="kind"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    cron: Mapped[str | None] = mapped_column(String(120))
+    interval_s: Mapped[int | None]
+    min_feedback: Mapped[int | None]
+    quiet_start: Mapped[str | None] = mapped_column(String(5))
+    quiet_end: Mapped[str | None] = mapped_column(String(5))
+    timezone: Mapped[str] = mapped_column(String(64))
+    round_settings: Mapped[dict[str, Any]]
+    enabled: Mapped[bool]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ScheduleFiring(Base):
+    """One claimed slot of a schedule; the primary key makes a slot fire at most once across beats."""
+
+    __tablename__ = "schedule_firings"
+    __table_args__ = (Index("ix_schedule_firings_fired_at", "fired_at"),)
+
+    schedule_id: Mapped[str] = mapped_column(ForeignKey("training_schedules.id", ondelete="CASCADE"), primary_key=True)
+    slot: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fired_at: Mapped[datetime] = mapped_column(default=utcnow)
+    task_id: Mapped[str | None] = mapped_column(String(64))
+    beat: Mapped[str | None] = mapped_column(String(256))
+
+
+class DataDeletion(Base):
+    """A per-user data deletion: who asked, when, and how many rows went (kept as a tombstone)."""
+
+    __tablename__ = "data_deletions"
+    __table_args__ = (
+        Index("ix_data_deletions_tenant_id_end_user", "tenant_id", "end_user"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(SequenceInt, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    end_user: Mapped[str] = mapped_column(String(256))
+    deleted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    actor: Mapped[str] = mapped_column(String(200))
+    counts: Mapped[dict[str, Any]]
