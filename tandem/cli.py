@@ -98,14 +98,14 @@ def engine_command(
     weight_version: Annotated[str, typer.Option(help="Initial weight version label.")] = "default",
 ) -> None:
     """Run the local engine as its own process, answering SGLang's native HTTP API."""
-    from server.engines.factory import open_engine
+    from server.engines.factory import open_local_engine
     from server.engines.sglang_server import create_engine_app
     from tandem.models import resolve_model
 
     settings = Settings().with_overrides(host=host, port=port, model=model, engine="local")
     configure_logging(settings.log_level, settings.log_format)
     model_path = resolve_model(settings.model, settings.model_cache_dir)
-    _run(create_engine_app(lambda: open_engine(settings, model_path, weight_version=weight_version)), settings)
+    _run(create_engine_app(lambda: open_local_engine(settings, model_path, weight_version=weight_version)), settings)
 
 
 if __name__ == "__main__":

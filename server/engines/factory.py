@@ -12,7 +12,7 @@ from server.engines.supervisor import Supervisor
 from server.router.pool import EnginePool, PoolConfig
 from tandem.settings import Settings
 
-__all__ = ["open_engine", "pool_config"]
+__all__ = ["open_engine", "open_local_engine", "pool_config"]
 
 
 async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
@@ -22,6 +22,11 @@ async def open_engine(settings: Settings, model_path: Path | None = None, *, wei
         return await _open_pool(settings)
     if model_path is None:
         raise ValueError("the local engine needs a model folder")
+    return await open_local_engine(settings, model_path, weight_version=weight_version)
+
+
+async def open_local_engine(settings: Settings, model_path: Path, *, weight_version: str = "default") -> LocalEngine:
+    """The in-process engine on ``model_path``, as the settings configure it."""
     return await LocalEngine.open(
         model_path,
         device=settings.device,
