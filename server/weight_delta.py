@@ -152,7 +152,10 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         raise DeltaError(f"{path}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(file))
+        try:
+            tensors.update(load_file(file))
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise DeltaError(f"{file}: unreadable checkpoint: {exc}") from exc
     return tensors
 
 

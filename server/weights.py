@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.engines.base import Engine, EngineError
+from server.engines.base import Engine, EngineError, ModelInfo
 from server.engines.local.weights import WeightLoadError
 from server.errors import ApiError
+from server.weight_delta import DeltaError, OutOfOrderDelta, WeightDelta, materialise
 from storage.learning_errors import NotFoundError
 from storage.model_versions import get_version, record_model_version, serving_version, set_version_status
 
@@ -64,30 +67,73 @@ class WeightService:
         async with self._lock:
             before = self._engine.model_info()
             await asyncio.to_thread(self._check_version, before.served_model_name, weight_version)
-            started = time.perf_counter()
+            load = partial(self._engine.update_weights, model_path, weight_version)
+            return await self._swap(before, model_path, weight_version, load, _Refusal(model_path, "model_path"))
+
+    async def roll_out_delta(self, delta_path: str, weight_version: str | None = None) -> dict[str, Any]:
+        """Apply the byte-level delta at ``delta_path`` (``server.weight_delta``) to the serving version.
+
+        The whole checkpoint it leads to is materialised first, next to the delta (``<delta>.full``;
+        one already there is reused if every tensor matches): it checks every checksum against the
+        serving weights on disk before any engine is touched, SGLang replicas (no delta API) load it
+        from disk, and the version row and any later rollback name it. Replicas that apply deltas
+        (the local engine, `tandem engine`) get the delta and check it against their live weights.
+
+        Raises:
+            ApiError: 409 when the delta's base is not the serving version (out of order); 400 for
+                an unreadable or corrupt delta, or one the engine refuses (serving unchanged); 503
+                as for ``roll_out``.
+        """
+        async with self._lock:
+            refusal = _Refusal(delta_path, "delta_path")
+            before = self._engine.model_info()
             try:
-                await self._engine.update_weights(model_path, weight_version)
-            except (WeightLoadError, OSError) as exc:
-                raise _refused(model_path, exc) from exc
-            except EngineError as exc:
-                if exc.status != 400:
-                    raise
-                raise _refused(model_path, exc) from exc
-            swap_s = time.perf_counter() - started
-            if self._on_swap is not None:
-                self._on_swap(swap_s)
-            try:
-                await asyncio.to_thread(self._promote, before.served_model_name, model_path, weight_version)
-            except DBAPIError as exc:
-                await self._engine.update_weights(before.model_path, before.weight_version)
-                raise ApiError(
-                    503,
-                    f"The database could not record {weight_version} as serving, so the server went back to "
-                    f"{before.weight_version}; retry shortly.",
-                    code="database_unavailable",
-                ) from exc
-            log.info("model version rolled out", extra={"weight_version": weight_version, "swap_s": swap_s})
-            return {**await self.serving(), "previous_version": before.weight_version, "swap_s": swap_s}
+                delta = await asyncio.to_thread(WeightDelta.open, Path(delta_path))
+                version = weight_version or delta.target_version
+                if version != delta.target_version:
+                    raise DeltaError(f"it leads to {delta.target_version!r}, not {version!r}")
+                delta.check_base(before.weight_version)
+                await asyncio.to_thread(self._check_version, before.served_model_name, version)
+                full = Path(delta_path).with_name(Path(delta_path).name + ".full")
+                model_path = str(await asyncio.to_thread(materialise, delta, Path(before.model_path), full))
+            except (DeltaError, OSError) as exc:
+                raise refusal.error(exc) from exc
+            load = partial(self._engine.update_weights_from_delta, delta, model_path, version)
+            return await self._swap(before, model_path, version, load, refusal)
+
+    async def _swap(
+        self,
+        before: ModelInfo,
+        model_path: str,
+        weight_version: str,
+        load: Callable[[], Awaitable[None]],
+        refusal: _Refusal,
+    ) -> dict[str, Any]:
+        """Run ``load`` (the engine changes weights), then promote; see ``roll_out``."""
+        started = time.perf_counter()
+        try:
+            await load()
+        except (WeightLoadError, DeltaError, OSError) as exc:
+            raise refusal.error(exc) from exc
+        except EngineError as exc:
+            if exc.status != 400:
+                raise
+            raise refusal.error(exc) from exc
+        swap_s = time.perf_counter() - started
+        if self._on_swap is not None:
+            self._on_swap(swap_s)
+        try:
+            await asyncio.to_thread(self._promote, before.served_model_name, model_path, weight_version)
+        except DBAPIError as exc:
+            await self._engine.update_weights(before.model_path, before.weight_version)
+            raise ApiError(
+                503,
+                f"The database could not record {weight_version} as serving, so the server went back to "
+                f"{before.weight_version}; retry shortly.",
+                code="database_unavailable",
+            ) from exc
+        log.info("model version rolled out", extra={"weight_version": weight_version, "swap_s": swap_s})
+        return {**await self.serving(), "previous_version": before.weight_version, "swap_s": swap_s}
 
     def _serving_row(self, model: str) -> dict[str, Any] | None:
         with self._sessions() as session:
@@ -117,13 +163,23 @@ class WeightService:
             set_version_status(session, version_id=version_id, status="serving")
 
 
-def _refused(model_path: str, exc: Exception) -> ApiError:
-    return ApiError(
-        400,
-        f"The engine refused the checkpoint {model_path} and keeps serving the current weights: {exc}",
-        param="model_path",
-        code="invalid_checkpoint",
-    )
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """How a refused weight source is reported: which request field named it."""
+
+    path: str
+    param: str
+
+    def error(self, exc: Exception) -> ApiError:
+        if isinstance(exc, OutOfOrderDelta):
+            return ApiError(409, f"{exc}; serving is unchanged.", param=self.param, code="out_of_order_delta")
+        what, code = ("checkpoint", "invalid_checkpoint") if self.param == "model_path" else ("delta", "invalid_delta")
+        return ApiError(
+            400,
+            f"The {what} {self.path} was refused and the server keeps serving the current weights: {exc}",
+            param=self.param,
+            code=code,
+        )
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:

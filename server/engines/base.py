@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from server.weight_delta import WeightDelta
 
 PauseMode = Literal["abort", "retract", "in_place"]
 FinishType = Literal["stop", "length", "abort"]
@@ -123,6 +126,11 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     async def update_weights(self, model_path: str, weight_version: str) -> None: ...
+
+    async def update_weights_from_delta(self, delta: WeightDelta, model_path: str, weight_version: str) -> None:
+        """Apply ``delta`` to the serving weights; ``model_path`` is the whole checkpoint they then equal
+        (a server that cannot apply deltas loads it from disk instead)."""
+        ...
 
     async def flush_cache(self) -> bool: ...
 

@@ -25,6 +25,7 @@ from server.engines.base import (
     TokenChunk,
 )
 from server.engines.sglang_protocol import finish_from_json, sampling_to_json
+from server.weight_delta import WeightDelta
 
 
 def _context_length_from_config(model_path: str) -> int:
@@ -57,6 +58,7 @@ class SGLangClient:
         self._silent_timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._info: ModelInfo | None = None
+        self.weight_sources: frozenset[str] = frozenset({"disk"})
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> SGLangClient:
@@ -76,6 +78,8 @@ class SGLangClient:
         path = str(data.get("model_path", ""))
         context = int(data.get("context_length") or 0) or await self._served_context_length()
         context = context or _context_length_from_config(path)
+        # What the server loads weights from: `tandem engine` says; SGLang does not (disk, for us).
+        self.weight_sources = frozenset(data.get("weight_sources") or ("disk",))
         self._info = ModelInfo(
             model_path=path,
             served_model_name=str(data.get("served_model_name") or Path(path).name),
@@ -189,6 +193,25 @@ class SGLangClient:
 
     async def update_weights(self, model_path: str, weight_version: str) -> None:
         await self._post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+        await self.refresh_model_info()
+
+    async def update_weights_from_delta(self, delta: WeightDelta, model_path: str, weight_version: str) -> None:
+        """The delta where the server applies deltas (`tandem engine`) and serves its base; otherwise
+        (SGLang has no delta API, or the replica serves another version) the whole checkpoint from disk."""
+        if "delta" not in self.weight_sources or self.model_info().weight_version != delta.base_version:
+            await self.update_weights(model_path, weight_version)
+            return
+        body = {"delta_path": str(delta.path), "model_path": model_path, "weight_version": weight_version}
+        await self._post("/update_weights_from_delta", body)
+        await self.refresh_model_info()
+
+    async def update_weights_from_tensor(self, payload: str, weight_version: str) -> None:
+        """SGLang's update_weights_from_tensor with one rank's payload (``server.engines.tensor_ipc``).
+
+        Real SGLang 0.5.23 also wants it between begin_weight_update and end_weight_update.
+        """
+        body = {"serialized_named_tensors": [payload], "weight_version": weight_version, "flush_cache": True}
+        await self._post("/update_weights_from_tensor", body)
         await self.refresh_model_info()
 
     async def flush_cache(self) -> bool:

@@ -2,7 +2,11 @@
 
 Same paths, fields and shapes as SGLang 0.5.23, so one HTTP client drives both this process and a
 real SGLang server: /generate, /model_info, /health, /health_generate, /update_weights_from_disk,
-/pause_generation, /continue_generation, /flush_cache.
+/update_weights_from_tensor, /pause_generation, /continue_generation, /flush_cache.
+
+Two additions SGLang does not have, announced in /model_info's ``weight_sources``:
+/update_weights_from_delta (a byte-level delta against the serving version, ``server.weight_delta``)
+and GET /weights_checksum (every parameter's sha256, to prove two copies of the weights are equal).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -19,9 +24,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
-from server.engines.base import DEFAULT_PRIORITY, Engine, EngineError, SamplingParams, TokenChunk
+from server.engines.base import DEFAULT_PRIORITY, EngineError, SamplingParams, TokenChunk
+from server.engines.local.engine import LocalEngine
 from server.engines.local.weights import WeightLoadError
 from server.engines.sglang_protocol import finish_to_json, sampling_from_json, spans_to_json
+from server.engines.tensor_ipc import TensorPayloadError, deserialize_named_tensors
+from server.weight_delta import DeltaError, OutOfOrderDelta, WeightDelta
+
+# What /model_info announces this process can load weights from (SGLang itself has disk and tensor).
+WEIGHT_SOURCES = ("disk", "delta", "tensor")
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -95,9 +106,9 @@ def _parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParam
     return input_ids, sampling_from_json(params, top), body
 
 
-def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
+def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> FastAPI:
     """The app; ``open_engine`` runs at start-up, and the engine is closed at shutdown."""
-    engine: Engine
+    engine: LocalEngine
     tokenizer: Any
 
     @contextlib.asynccontextmanager
@@ -159,6 +170,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
                 "weight_version": info.weight_version,
                 "is_generation": True,
                 "context_length": info.context_length,
+                "weight_sources": list(WEIGHT_SOURCES),
             }
         )
 
@@ -175,21 +187,81 @@ def create_engine_app(open_engine: Callable[[], Awaitable[Engine]]) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        path = body.get("model_path") if isinstance(body, dict) else None
-        if not isinstance(path, str):
-            return _json({"success": False, "message": "model_path is required"}, 400)
-        version = str(body.get("weight_version") or path)
+    async def update(body: dict[str, Any], version: str, load: Callable[[], Awaitable[None]]) -> Response:
+        """Run one weight update the SGLang way: success flag and message, 200 or 400."""
         try:
             if body.get("abort_all_requests"):
                 await engine.pause("abort")
                 await engine.resume()
-            await engine.update_weights(path, version)
-        except (WeightLoadError, OSError, EngineError) as exc:
+            await load()
+        except OutOfOrderDelta as exc:
+            return _json({"success": False, "message": str(exc)}, 409)
+        except (WeightLoadError, DeltaError, TensorPayloadError, OSError, EngineError) as exc:
             return _json({"success": False, "message": str(exc)}, 400)
         return _json({"success": True, "message": f"Succeeded to update model weights to {version}."})
+
+    async def update_body(request: Request, *required: str) -> dict[str, Any] | Response:
+        try:
+            body = orjson.loads(await request.body() or b"{}")
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return _json({"success": False, "message": "the body must be a JSON object"}, 400)
+        missing = [key for key in required if not isinstance(body.get(key), str) or not body[key]]
+        if missing:
+            return _json({"success": False, "message": f"{', '.join(missing)} required (strings)"}, 400)
+        return body
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await update_body(request, "model_path")
+        if isinstance(body, Response):
+            return body
+        path = body["model_path"]
+        version = str(body.get("weight_version") or path)
+        return await update(body, version, lambda: engine.update_weights(path, version))
+
+    @app.post("/update_weights_from_delta")
+    async def update_weights_from_delta(request: Request) -> Response:
+        """tandem's own: ``delta_path`` against the serving version; ``model_path`` the full checkpoint it
+        leads to (reported afterwards). 409 when the delta's base is not the serving version."""
+        body = await update_body(request, "delta_path", "model_path", "weight_version")
+        if isinstance(body, Response):
+            return body
+        version = body["weight_version"]
+
+        async def load() -> None:
+            delta = await asyncio.to_thread(WeightDelta.open, Path(body["delta_path"]))
+            await engine.update_weights_from_delta(delta, body["model_path"], version)
+
+        return await update(body, version, load)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        """SGLang's fields: one payload per tensor-parallel rank (this process is one rank)."""
+        body = await update_body(request)
+        if isinstance(body, Response):
+            return body
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+            message = "serialized_named_tensors must hold one payload (this engine is one tensor-parallel rank)"
+            return _json({"success": False, "message": message}, 400)
+        version = str(body.get("weight_version") or engine.model_info().weight_version)
+
+        async def load() -> None:
+            named = await asyncio.to_thread(deserialize_named_tensors, payloads[0])
+            tensors = dict(named)
+            if len(tensors) != len(named):
+                raise TensorPayloadError("the payload names a tensor twice")
+            await engine.update_weights_from_tensors(tensors, version)
+
+        return await update(body, version, load)
+
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> Response:
+        return _json(
+            {"weight_version": engine.model_info().weight_version, "tensors": await engine.weights_checksums()}
+        )
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:

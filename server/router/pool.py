@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +32,7 @@ from server.engines.sglang_client import SGLangClient
 from server.engines.supervisor import Supervisor
 from server.router.affinity import HashRing, pick_affine, pick_least_loaded, pick_round_robin
 from server.router.replica import Replica
+from server.weight_delta import WeightDelta
 
 log = logging.getLogger(__name__)
 
@@ -230,11 +231,24 @@ class EnginePool:
         new weights when it is readmitted. A replica that refuses them (a bad checkpoint) keeps its
         old ones, and the replicas already updated are rolled back: the pool is not left split.
         """
+        await self._roll(model_path, weight_version, _from_disk(model_path, weight_version))
+
+    async def update_weights_from_delta(self, delta: WeightDelta, model_path: str, weight_version: str) -> None:
+        """The same rolling update; each replica gets the delta or, if it cannot apply it, ``model_path``."""
+        await self._roll(
+            model_path,
+            weight_version,
+            lambda client: client.update_weights_from_delta(delta, model_path, weight_version),
+        )
+
+    async def _roll(
+        self, model_path: str, weight_version: str, load: Callable[[SGLangClient], Awaitable[None]]
+    ) -> None:
         async with self._weights_lock:
             updated: list[Replica] = []
             for replica in [r for r in self.replicas.values() if r.healthy]:
                 try:
-                    await self._update_one(replica, model_path, weight_version)
+                    await self._update_one(replica, load)
                     updated.append(replica)
                 except EngineUnavailable as exc:
                     self._eject(replica, f"unreachable during a weight update: {exc}")
@@ -251,16 +265,16 @@ class EnginePool:
             return
         for replica in replicas:
             try:
-                await self._update_one(replica, *self.target)
+                await self._update_one(replica, _from_disk(*self.target))
             except EngineError as exc:  # it must not serve the refused version: out until readmitted
                 self._eject(replica, f"could not roll back to {self.target[1]}: {exc}")
 
-    async def _update_one(self, replica: Replica, model_path: str, weight_version: str) -> None:
+    async def _update_one(self, replica: Replica, load: Callable[[SGLangClient], Awaitable[None]]) -> None:
         replica.draining = True
         try:
             await replica.client.pause("retract")
             try:
-                await replica.client.update_weights(model_path, weight_version)
+                await load(replica.client)
             finally:
                 await replica.client.resume()
         finally:
@@ -381,7 +395,7 @@ class EnginePool:
                         "loading the pool's weights into a returning replica",
                         extra={"replica": replica.name, "had": info.weight_version, "weight_version": self.target[1]},
                     )
-                    await self._update_one(replica, *self.target)
+                    await self._update_one(replica, _from_disk(*self.target))
             except EngineError as exc:
                 replica.passed_probes = 0
                 log.warning("engine replica not admitted", extra={"replica": replica.name, "error": str(exc)})
@@ -395,6 +409,10 @@ class EnginePool:
         replica.passed_probes = 0
         replica.ejected.set()
         log.warning("engine replica out of rotation", extra={"replica": replica.name, "reason": reason})
+
+
+def _from_disk(model_path: str, weight_version: str) -> Callable[[SGLangClient], Awaitable[None]]:
+    return lambda client: client.update_weights(model_path, weight_version)
 
 
 async def _drain(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:

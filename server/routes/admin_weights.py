@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from server.routes.deps import AdminDep, WeightsDep, json_response
 from server.schemas import ERRORS
@@ -13,8 +15,26 @@ router = APIRouter()
 
 
 class RollOutRequest(BaseModel):
-    model_path: str = Field(min_length=1, description="A Hugging Face safetensors folder the engines can read.")
-    weight_version: str = Field(min_length=1, max_length=200, description="The version id to serve it as.")
+    source: Literal["disk", "delta"] = Field("disk", description="Where the new weights come from.")
+    model_path: str | None = Field(
+        None, min_length=1, description="disk: a Hugging Face safetensors folder the engines can read."
+    )
+    delta_path: str | None = Field(
+        None,
+        min_length=1,
+        description="delta: a weight delta folder (server.weight_delta) against the serving version.",
+    )
+    weight_version: str | None = Field(
+        None, min_length=1, max_length=200, description="The version id to serve it as (delta: its target by default)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RollOutRequest:
+        if self.source == "disk" and (self.model_path is None or self.weight_version is None):
+            raise ValueError("source disk needs model_path and weight_version")
+        if self.source == "delta" and (self.delta_path is None or self.model_path is not None):
+            raise ValueError("source delta needs delta_path (and no model_path: the server builds the checkpoint)")
+        return self
 
 
 @router.get("/admin/weights", response_model=None, responses=ERRORS)
@@ -24,4 +44,6 @@ async def get_weights(_: AdminDep, service: WeightsDep) -> Response:
 
 @router.post("/admin/weights", response_model=None, responses=ERRORS)
 async def roll_out_weights(body: RollOutRequest, _: AdminDep, service: WeightsDep) -> Response:
-    return json_response(await service.roll_out(body.model_path, body.weight_version))
+    if body.source == "delta":
+        return json_response(await service.roll_out_delta(body.delta_path, body.weight_version))  # type: ignore[arg-type]
+    return json_response(await service.roll_out(body.model_path, body.weight_version))  # type: ignore[arg-type]

@@ -41,7 +41,14 @@ from server.engines.local.kv import BatchKV, RowKV
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.sampler import sample
 from server.engines.local.sequence import Sequence, deliver
-from server.engines.local.weights import check_compatible, copy_weights, load_model, read_state_dict
+from server.engines.local.weights import (
+    WeightLoadError,
+    check_compatible,
+    copy_weights,
+    load_model,
+    read_state_dict,
+)
+from server.weight_delta import WeightDelta, tensor_sha256
 
 log = logging.getLogger("tandem.engine")
 
@@ -94,6 +101,7 @@ class LocalEngine:
         self._in_flight = 0
         self._paused = False
         self._stopping = False
+        self._swaps = 0  # weight swaps so far: a delta prepared before one must not be applied after it
         # Touched by the engine thread only.
         self._running: list[Sequence] = []
         self._batch = BatchKV()
@@ -191,16 +199,51 @@ class LocalEngine:
     async def update_weights(self, model_path: str, weight_version: str) -> None:
         tensors = await asyncio.to_thread(read_state_dict, Path(model_path))
         check_compatible(self._model, tensors)
-
-        def swap() -> None:
-            copy_weights(self._model, tensors)
-            self.weight_version = weight_version
-            self._model_path = model_path
-            # Cached prefixes hold keys/values of the old weights.
-            self._prefix.clear()
-
-        await self._call(swap)
+        await self._call(lambda: self._swap(tensors, model_path, weight_version))
         log.info("weights updated", extra={"model_path": model_path, "weight_version": weight_version})
+
+    async def update_weights_from_delta(self, delta: WeightDelta, model_path: str, weight_version: str) -> None:
+        """Apply a byte-level delta (``server.weight_delta``) to the live weights.
+
+        ``model_path`` is the full checkpoint the weights then equal: what ``model_info`` reports and
+        what a rollback or a restarted replica loads.
+
+        Raises:
+            OutOfOrderDelta: the delta was built against another version than the one serving.
+            DeltaError: a corrupt delta, or one whose tensors do not fit the model (nothing changed).
+        """
+        delta.check_base(self.weight_version)
+        check_compatible(self._model, {name: torch.empty(e.shape, device="meta") for name, e in delta.tensors.items()})
+        # The weights are read off the engine thread while it keeps serving; the swap then refuses
+        # if another swap changed them in the meantime.
+        swaps = self._swaps
+        params = self._model.state_dict()
+        changed = await asyncio.to_thread(delta.apply, params.get)
+        await self._call(lambda: self._swap(changed, model_path, weight_version, after=swaps))
+        log.info(
+            "weights updated from a delta",
+            extra={"delta_path": str(delta.path), "weight_version": weight_version, "tensors_changed": len(changed)},
+        )
+
+    async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str) -> None:
+        """Copy tensors handed over in memory (CUDA IPC or shared CPU memory) into the weights.
+
+        The model path stays what it was: no checkpoint folder holds these weights.
+        """
+        check_compatible(self._model, tensors)
+        await self._call(lambda: self._swap(tensors, self._model_path, weight_version))
+        log.info("weights updated from tensors", extra={"weight_version": weight_version, "tensors": len(tensors)})
+
+    async def weights_checksums(self) -> dict[str, dict[str, Any]]:
+        """Per parameter: dtype, shape and the sha256 of its bytes, as served now."""
+
+        def checksums() -> dict[str, dict[str, Any]]:
+            return {
+                name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+                for name, t in self._model.state_dict().items()
+            }
+
+        return await self._call(checksums)
 
     async def flush_cache(self) -> bool:
         await self._call(self._prefix.clear)
@@ -383,6 +426,20 @@ class LocalEngine:
         """One request has left the engine for good."""
         with self._cond:
             self._in_flight -= 1
+
+    def _swap(
+        self, tensors: dict[str, torch.Tensor], model_path: str, weight_version: str, after: int | None = None
+    ) -> None:
+        if after is not None and after != self._swaps:
+            raise WeightLoadError("the weights changed while the update was prepared; retry it")
+        copy_weights(self._model, tensors)
+        if self._model.device.type == "cuda":  # the sender may reuse its memory once we answer
+            torch.cuda.synchronize(self._model.device)
+        self.weight_version = weight_version
+        self._model_path = model_path
+        self._swaps += 1
+        # Cached prefixes hold keys/values of the old weights.
+        self._prefix.clear()
 
     def _pause(self, mode: PauseMode) -> None:
         self._paused = True
