@@ -31,6 +31,16 @@ class ServerApi:
         """
         return self._call("POST", {"model_path": model_path, "weight_version": weight_version})
 
+    def roll_out_delta(self, delta_path: str, weight_version: str, model_path: str | None = None) -> dict[str, Any]:
+        """Like ``roll_out``, from a byte-level delta against the serving version (``server.weight_delta``);
+        ``model_path``: the whole checkpoint it leads to, when this side exported it.
+
+        Raises:
+            RoundError: the server refused the delta (out of order, corrupt) or could not be reached.
+        """
+        body = {"source": "delta", "delta_path": delta_path, "weight_version": weight_version, "model_path": model_path}
+        return self._call("POST", body)
+
     def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
         try:
             response = httpx.request(

@@ -169,13 +169,15 @@ def write_delta(
     files_from: Path | None = None,
     compression: Compression = "zstd",
     level: int = 3,
+    byte_planes: bool = True,
 ) -> DeltaStats:
     """Write the delta that turns ``base`` into ``target`` into the new folder ``out_dir``.
 
     Args:
         base, target: name -> tensor, as the checkpoints hold them (``read_checkpoint``).
         files_from: the target checkpoint folder, whose non-weight files (config, tokenizer) are copied.
-        compression, level: how payloads are compressed (zstd level 3 unless measured otherwise).
+        compression, level: how payloads are compressed.
+        byte_planes: split each payload into byte planes before compressing (BENCHMARKS.md measures both).
 
     Raises:
         FileExistsError: ``out_dir`` exists.
@@ -199,7 +201,8 @@ def write_delta(
                 encoding: Encoding = "xor" if changed else "same"
             else:
                 diff, changed, encoding = new, new.size, "full"
-            blob = compress(_planes(diff, itemsize).tobytes()) if encoding != "same" else b""
+            planes = _planes(diff, itemsize) if byte_planes else diff
+            blob = compress(planes.tobytes()) if encoding != "same" else b""
             entries[name] = TensorEntry(
                 dtype=_dtype_name(target[name].dtype),
                 shape=tuple(target[name].shape),
@@ -217,6 +220,7 @@ def write_delta(
             "base_version": base_version,
             "target_version": target_version,
             "compression": compression,
+            "byte_planes": byte_planes,
             "tensors": {name: asdict(entry) for name, entry in entries.items()},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -234,6 +238,7 @@ class WeightDelta:
     base_version: str
     target_version: str
     compression: str
+    byte_planes: bool
     tensors: dict[str, TensorEntry]
 
     @classmethod
@@ -253,7 +258,12 @@ class WeightDelta:
                 for name, entry in manifest["tensors"].items()
             }
             delta = cls(
-                path, str(manifest["base_version"]), str(manifest["target_version"]), manifest["compression"], tensors
+                path,
+                str(manifest["base_version"]),
+                str(manifest["target_version"]),
+                manifest["compression"],
+                bool(manifest["byte_planes"]),
+                tensors,
             )
         except FileNotFoundError as exc:
             raise DeltaError(f"{path}: no {MANIFEST} (not a weight delta folder)") from exc
@@ -304,7 +314,8 @@ class WeightDelta:
                     payload.seek(entry.offset)
                     blob = payload.read(entry.length)
                     try:
-                        data = _unplanes(np.frombuffer(decompress(blob), dtype=np.uint8), itemsize)
+                        data = np.frombuffer(decompress(blob), dtype=np.uint8)
+                        data = _unplanes(data, itemsize) if self.byte_planes else data
                     except (zlib.error, zstandard.ZstdError, ValueError) as exc:
                         raise DeltaError(f"{self.path}: the payload of {name} is corrupt: {exc}") from exc
                     expected = math.prod(entry.shape) * itemsize

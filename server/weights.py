@@ -70,14 +70,17 @@ class WeightService:
             load = partial(self._engine.update_weights, model_path, weight_version)
             return await self._swap(before, model_path, weight_version, load, _Refusal(model_path, "model_path"))
 
-    async def roll_out_delta(self, delta_path: str, weight_version: str | None = None) -> dict[str, Any]:
+    async def roll_out_delta(
+        self, delta_path: str, weight_version: str | None = None, model_path: str | None = None
+    ) -> dict[str, Any]:
         """Apply the byte-level delta at ``delta_path`` (``server.weight_delta``) to the serving version.
 
-        The whole checkpoint it leads to is materialised first, next to the delta (``<delta>.full``;
-        one already there is reused if every tensor matches): it checks every checksum against the
-        serving weights on disk before any engine is touched, SGLang replicas (no delta API) load it
-        from disk, and the version row and any later rollback name it. Replicas that apply deltas
-        (the local engine, `tandem engine`) get the delta and check it against their live weights.
+        The whole checkpoint it leads to comes first: ``model_path`` when the caller has it (the
+        learner's own export), else materialised next to the delta (``<delta>.full``); either way every
+        tensor is checked against the delta's checksums before any engine is touched. SGLang replicas
+        (no delta API) load it from disk, and the version row and any later rollback name it. Replicas
+        that apply deltas (the local engine, `tandem engine`) get the delta and check it against their
+        live weights.
 
         Raises:
             ApiError: 409 when the delta's base is not the serving version (out of order); 400 for
@@ -94,7 +97,7 @@ class WeightService:
                     raise DeltaError(f"it leads to {delta.target_version!r}, not {version!r}")
                 delta.check_base(before.weight_version)
                 await asyncio.to_thread(self._check_version, before.served_model_name, version)
-                full = Path(delta_path).with_name(Path(delta_path).name + ".full")
+                full = Path(model_path) if model_path else Path(delta_path).with_name(Path(delta_path).name + ".full")
                 model_path = str(await asyncio.to_thread(materialise, delta, Path(before.model_path), full))
             except (DeltaError, OSError) as exc:
                 raise refusal.error(exc) from exc

@@ -17,7 +17,10 @@ router = APIRouter()
 class RollOutRequest(BaseModel):
     source: Literal["disk", "delta"] = Field("disk", description="Where the new weights come from.")
     model_path: str | None = Field(
-        None, min_length=1, description="disk: a Hugging Face safetensors folder the engines can read."
+        None,
+        min_length=1,
+        description="disk: a Hugging Face safetensors folder the engines can read. delta (optional): the whole "
+        "checkpoint the delta leads to, if it exists already (checked; else built next to the delta).",
     )
     delta_path: str | None = Field(
         None,
@@ -32,8 +35,10 @@ class RollOutRequest(BaseModel):
     def _one_source(self) -> RollOutRequest:
         if self.source == "disk" and (self.model_path is None or self.weight_version is None):
             raise ValueError("source disk needs model_path and weight_version")
-        if self.source == "delta" and (self.delta_path is None or self.model_path is not None):
-            raise ValueError("source delta needs delta_path (and no model_path: the server builds the checkpoint)")
+        if self.source == "delta" and self.delta_path is None:
+            raise ValueError("source delta needs delta_path")
+        if self.source == "disk" and self.delta_path is not None:
+            raise ValueError("delta_path goes with source delta")
         return self
 
 
@@ -45,5 +50,5 @@ async def get_weights(_: AdminDep, service: WeightsDep) -> Response:
 @router.post("/admin/weights", response_model=None, responses=ERRORS)
 async def roll_out_weights(body: RollOutRequest, _: AdminDep, service: WeightsDep) -> Response:
     if body.source == "delta":
-        return json_response(await service.roll_out_delta(body.delta_path, body.weight_version))  # type: ignore[arg-type]
+        return json_response(await service.roll_out_delta(body.delta_path, body.weight_version, body.model_path))  # type: ignore[arg-type]
     return json_response(await service.roll_out(body.model_path, body.weight_version))  # type: ignore[arg-type]

@@ -72,11 +72,15 @@ def test_a_delta_rolls_out_and_the_served_weights_are_the_target(
     assert "'default'" in error["message"] and "'delta-v1'" in error["message"]
     assert serving(gateway)["weight_version"] == "delta-v1"
 
-    # The way back is a delta too, built against what serves now.
+    # The way back is a delta too, built against what serves now; the checkpoint it leads to exists
+    # already (the start-up model), so it is checked and named rather than built again.
     back = make_delta(full, tiny_model, tmp_path / "d2", "delta-v1", "default")
-    response = post(gateway, {"source": "delta", "delta_path": str(back), "weight_version": "default"})
+    wrong = post(gateway, {"source": "delta", "delta_path": str(back), "model_path": str(perturbed_model)})
+    assert wrong.status_code == 400 and "is not the delta's target tensor" in wrong.json()["error"]["message"]
+    response = post(gateway, {"source": "delta", "delta_path": str(back), "model_path": str(tiny_model)})
     assert response.status_code == 200, response.text
-    assert serving(gateway)["weight_version"] == "default"
+    assert serving(gateway)["weight_version"] == "default" and serving(gateway)["model_path"] == str(tiny_model)
+    assert not (tmp_path / "d2.full").exists()
 
 
 def test_a_corrupt_delta_is_refused_and_serving_unchanged(
@@ -105,7 +109,6 @@ def test_a_corrupt_delta_is_refused_and_serving_unchanged(
     "body",
     [
         {"source": "delta"},
-        {"source": "delta", "delta_path": "/x", "model_path": "/y"},
         {"source": "disk", "delta_path": "/x", "weight_version": "v"},
         {"source": "tensor", "model_path": "/x", "weight_version": "v"},
     ],
