@@ -47,7 +47,12 @@ def test_base_plus_delta_is_the_target_bitwise(
 ) -> None:
     base, target = read_checkpoint(tiny_model), read_checkpoint(perturbed_model)
     stats = write_delta(
-        base, target, tmp_path / "d", base_version="v1", target_version="v2", compression=compression  # type: ignore[arg-type]
+        base,
+        target,
+        tmp_path / "d",
+        base_version="v1",
+        target_version="v2",
+        compression=compression,  # type: ignore[arg-type]
     )
     delta = WeightDelta.open(tmp_path / "d")
     assert (delta.base_version, delta.target_version) == ("v1", "v2")
