@@ -51,6 +51,7 @@ class TrainingRoundView:
     started_at: datetime | None
     finished_at: datetime | None
     heartbeat_at: datetime | None
+    schedule_id: str | None = None  # the schedule that fired it (migration 0004), if any
 
 
 def queue_round(
