@@ -54,7 +54,8 @@ DTYPE = torch.bfloat16
 
 def build_model(shape: str, device: str, folder: Path) -> dict[str, torch.Tensor]:
     """Write a random model of ``shape`` to ``folder`` (config, weights, tiny tokenizer); its weights on ``device``."""
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1_000_000.0)
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_parameters=rope)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(DTYPE)

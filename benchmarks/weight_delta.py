@@ -181,7 +181,7 @@ def main() -> None:
                 learning_rate=args.lr,
                 num_threads=args.threads,
             )
-            rounds = []
+            rounds, version, checkpoint = [], "", ""
             for index in range(args.rounds):
                 serving = api.serving()
                 base_dir = Path(serving["version"]["checkpoint_path"] if serving["version"] else serving["model_path"])
@@ -189,12 +189,9 @@ def main() -> None:
                 result = run_round(config)
                 if result.status != "succeeded" or result.checkpoint_path is None or result.version_id is None:
                     raise RuntimeError(f"round {index}: {result.status} {result.error}")
+                version, checkpoint = result.version_id, result.checkpoint_path
                 measured = measure_round(
-                    base_dir,
-                    Path(result.checkpoint_path),
-                    serving["weight_version"],
-                    result.version_id,
-                    workdir / "deltas",
+                    base_dir, Path(checkpoint), serving["weight_version"], version, workdir / "deltas"
                 )
                 measured |= {"round": index + 1, "round_disk_swap_s": result.seconds["swap"]}
                 rounds.append(measured)
@@ -202,11 +199,11 @@ def main() -> None:
             # The server itself, once: back to the last round's base from disk, forward again by the delta.
             last = rounds[-1]
             api.roll_out(str(base_dir), serving["weight_version"])
-            delta_dir = workdir / "deltas" / f"{result.version_id}-{ENCODINGS[0][0]}"
+            delta_dir = workdir / "deltas" / f"{version}-{ENCODINGS[0][0]}"
             started = time.perf_counter()
-            api.roll_out_delta(str(delta_dir), result.version_id, model_path=result.checkpoint_path)
+            api.roll_out_delta(str(delta_dir), version, model_path=checkpoint)
             last["server_delta_rollout_s"] = time.perf_counter() - started
-            if api.serving()["weight_version"] != result.version_id:
+            if api.serving()["weight_version"] != version:
                 raise RuntimeError("the server does not serve the delta's version")
         finally:
             server.terminate()

@@ -147,7 +147,7 @@ def _decompressor(compression: str) -> Callable[[bytes], bytes]:
 
 
 def _sha256(data: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(data.numpy())).hexdigest()
+    return hashlib.sha256(data.numpy().data).hexdigest()
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -216,7 +216,7 @@ def write_delta(
             else:
                 diff, changed, encoding = new, new.numel(), "full"
             planes = _planes(diff, itemsize) if byte_planes else diff
-            blob = compress(memoryview(planes.numpy())) if encoding != "same" else b""
+            blob = compress(planes.numpy().data) if encoding != "same" else b""
             entries[name] = TensorEntry(
                 dtype=_dtype_name(target[name].dtype),
                 shape=tuple(target[name].shape),
