@@ -47,8 +47,9 @@ from server.engines.local.weights import (
     copy_weights,
     load_model,
     read_state_dict,
+    weight_checksums,
 )
-from server.weight_delta import WeightDelta, tensor_sha256
+from server.weight_delta import WeightDelta
 
 log = logging.getLogger("tandem.engine")
 
@@ -235,15 +236,8 @@ class LocalEngine:
         log.info("weights updated from tensors", extra={"weight_version": weight_version, "tensors": len(tensors)})
 
     async def weights_checksums(self) -> dict[str, dict[str, Any]]:
-        """Per parameter: dtype, shape and the sha256 of its bytes, as served now."""
-
-        def checksums() -> dict[str, dict[str, Any]]:
-            return {
-                name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
-                for name, t in self._model.state_dict().items()
-            }
-
-        return await self._call(checksums)
+        """Per parameter: dtype, shape and the sha256 of its bytes, as served now (between two steps)."""
+        return await self._call(lambda: weight_checksums(self._model))
 
     async def flush_cache(self) -> bool:
         await self._call(self._prefix.clear)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+from server.weight_delta import tensor_sha256
 
 
 class WeightLoadError(ValueError):
@@ -62,3 +65,11 @@ def copy_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> No
     for name, param in model.state_dict().items():
         if name in tensors:
             param.copy_(tensors[name])
+
+
+def weight_checksums(model: PreTrainedModel) -> dict[str, dict[str, Any]]:
+    """Per parameter: dtype, shape and the sha256 of its bytes (equal hashes: bitwise-equal weights)."""
+    return {
+        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+        for name, t in model.state_dict().items()
+    }
