@@ -61,9 +61,12 @@ async def test_local_engine_applies_a_delta_bitwise(
     assert (info.weight_version, info.model_path) == ("v2", str(perturbed_model))
     result = await collect(engine, PROMPT, greedy(12))
     assert result.token_ids == greedy_reference(perturbed_model, PROMPT, 12) and set(result.versions) == {"v2"}
-    # Applied again, the same delta is out of order: the engine serves its target now.
+    # Applied again, the same delta is out of order: the engine serves its target now, and keeps it.
+    served = await engine.weights_checksums()
     with pytest.raises(OutOfOrderDelta, match="'default' into 'v2', but the weights it was applied to are 'v2'"):
-        await engine.update_weights_from_delta(WeightDelta.open(delta_dir), str(perturbed_model), "v2")
+        await engine.update_weights_from_delta(WeightDelta.open(delta_dir), "/elsewhere", "v3")
+    assert await engine.weights_checksums() == served
+    assert (engine.model_info().weight_version, engine.model_info().model_path) == ("v2", str(perturbed_model))
 
 
 async def test_local_engine_refuses_a_corrupt_delta_unchanged(
