@@ -115,6 +115,8 @@ def _summary(view: TrainingRoundView) -> dict[str, Any]:
         "watermark_to": view.watermark_to,
         "samples_collected": view.samples_collected,
         "samples_trained": view.samples_trained,
+        "metrics": view.metrics,
+        "duration_s": _duration(view),
         "created_at": view.created_at,
         "started_at": view.started_at,
         "finished_at": view.finished_at,
@@ -122,9 +124,13 @@ def _summary(view: TrainingRoundView) -> dict[str, Any]:
     }
 
 
-def _detail(view: TrainingRoundView) -> dict[str, Any]:
+def _duration(view: TrainingRoundView) -> float | None:
+    """Seconds from start to finish, or to the last heartbeat while it runs."""
     end = view.finished_at or view.heartbeat_at
-    duration = (end - view.started_at).total_seconds() if end and view.started_at else None
+    return (end - view.started_at).total_seconds() if end and view.started_at else None
+
+
+def _detail(view: TrainingRoundView) -> dict[str, Any]:
     return {
         **asdict(view),
         "object": "run",
@@ -133,7 +139,7 @@ def _detail(view: TrainingRoundView) -> dict[str, Any]:
             "started_at": view.started_at,
             "finished_at": view.finished_at,
             "heartbeat_at": view.heartbeat_at,
-            "duration_s": duration,
+            "duration_s": _duration(view),
             "stages_s": view.metrics.get("seconds", {}),
         },
         "watermark": {"from": view.watermark_from, "to": view.watermark_to},

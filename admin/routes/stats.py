@@ -1,0 +1,31 @@
+"""/admin/stats/ratings: how users rated each model version, oldest version first (the dashboard's trend)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+
+from admin.deps import SessionsDep, in_thread
+from server.routes.deps import AdminDep, json_response
+from server.schemas import ERRORS
+from storage.rating_trend import VersionRating, rating_trend
+
+router = APIRouter()
+
+
+@router.get("/admin/stats/ratings", response_model=None, responses=ERRORS)
+async def ratings(
+    _: AdminDep, sessions: SessionsDep, model: Annotated[str | None, Query(max_length=256)] = None
+) -> Response:
+    """Per weight version: rated answers, ups and downs, the mean score in [-1, 1], first and last answer."""
+
+    def read() -> list[VersionRating]:
+        with sessions() as session:
+            return rating_trend(session, model=model)
+
+    points = await in_thread(read)
+    data: list[dict[str, Any]] = [{**asdict(point), "object": "version_rating"} for point in points]
+    return json_response({"object": "list", "data": data})

@@ -1,0 +1,70 @@
+"""How users rated each model version: the trend the dashboard draws, one point per weight version.
+
+A rated answer counts for the version that started it (``completions.weight_version``); a choice
+whose tokens spanned a hot swap still counts once, for the version it began on. Its rating is the
+current one (``feedback.score`` in [-1, 1]: up is +1, down is -1), so a changed rating moves the
+point instead of counting twice. Runs in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from storage.models import Completion, Feedback, ModelVersion
+
+__all__ = ["VersionRating", "rating_trend"]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRating:
+    model: str
+    weight_version: str
+    status: str | None  # the version row's status; None for weights never recorded (the base model)
+    rated: int
+    up: int  # score > 0
+    down: int  # score < 0
+    mean_score: float
+    first_at: datetime  # when the first and the last rated answer of this version was created
+    last_at: datetime
+
+
+def rating_trend(session: Session, *, model: str | None = None) -> list[VersionRating]:
+    """Every version with at least one rated answer, in the order they first answered (oldest first)."""
+    first_at = func.min(Completion.created_at)
+    query = (
+        select(
+            Completion.model,
+            Completion.weight_version,
+            ModelVersion.status,
+            func.count().label("rated"),
+            func.sum(case((Feedback.score > 0, 1), else_=0)).label("up"),
+            func.sum(case((Feedback.score < 0, 1), else_=0)).label("down"),
+            func.avg(Feedback.score).label("mean_score"),
+            first_at.label("first_at"),
+            func.max(Completion.created_at).label("last_at"),
+        )
+        .join(Completion, Completion.id == Feedback.completion_id)
+        .outerjoin(ModelVersion, ModelVersion.id == Completion.weight_version)
+        .group_by(Completion.model, Completion.weight_version, ModelVersion.status)
+        .order_by(first_at, Completion.weight_version)
+    )
+    if model is not None:
+        query = query.where(Completion.model == model)
+    return [
+        VersionRating(
+            model=row.model,
+            weight_version=row.weight_version,
+            status=row.status,
+            rated=int(row.rated),
+            up=int(row.up),
+            down=int(row.down),
+            mean_score=float(row.mean_score),
+            first_at=row.first_at,
+            last_at=row.last_at,
+        )
+        for row in session.execute(query)
+    ]
