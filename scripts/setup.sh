@@ -3,6 +3,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Headless Chromium for the dashboard's browser tests (tests/admin/test_dashboard.py), from Debian:
+# playwright drives /usr/bin/chromium and never downloads a browser of its own.
+if ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    sudo=()
+    [[ $EUID -eq 0 ]] || sudo=(sudo)
+    echo "setup: installing chromium (apt-get)" >&2
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: no apt-get here; install Chromium for the dashboard tests yourself" >&2
+  fi
+fi
+
 venv=.venv
 stamp="$venv/.tandem-setup-stamp"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
