@@ -48,7 +48,7 @@ ALLOWED: dict[Action, dict[str, str | None]] = {
 }
 
 
-@router.get("/admin/versions", response_model=None, responses=ERRORS)
+@router.get("/admin/models", response_model=None, responses=ERRORS)
 async def list_versions(
     _: AdminDep,
     sessions: SessionsDep,
@@ -71,7 +71,7 @@ async def list_versions(
     return json_response(page(rows, limit, lambda version: version["id"]))
 
 
-@router.get("/admin/versions/{version_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/models/{version_id}", response_model=None, responses=ERRORS)
 async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     def read() -> dict[str, Any]:
         with sessions() as session:
@@ -84,7 +84,7 @@ async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep
         raise _not_found(exc) from exc
 
 
-@router.post("/admin/versions/{version_id}/promote", response_model=None, responses=ERRORS)
+@router.post("/admin/models/{version_id}/promote", response_model=None, responses=ERRORS)
 async def promote(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:
@@ -92,7 +92,7 @@ async def promote(
     return await _swap("promote", version_id, actor, sessions, weights, body)
 
 
-@router.post("/admin/versions/{version_id}/rollback", response_model=None, responses=ERRORS)
+@router.post("/admin/models/{version_id}/rollback", response_model=None, responses=ERRORS)
 async def rollback(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:

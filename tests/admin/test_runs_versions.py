@@ -130,10 +130,10 @@ ENDPOINTS = [
     ("GET", "/admin/runs"),
     ("GET", "/admin/runs/round-x"),
     ("POST", "/admin/runs/round-x/cancel"),
-    ("GET", "/admin/versions"),
-    ("GET", "/admin/versions/v-x"),
-    ("POST", "/admin/versions/v-x/promote"),
-    ("POST", "/admin/versions/v-x/rollback"),
+    ("GET", "/admin/models"),
+    ("GET", "/admin/models/v-x"),
+    ("POST", "/admin/models/v-x/promote"),
+    ("POST", "/admin/models/v-x/rollback"),
     ("GET", "/admin/audit"),
 ]
 
@@ -187,16 +187,16 @@ def test_runs_list_filter_page_and_detail(gateway: Gateway, history: History) ->
 
 def test_versions_list_with_metrics_and_lineage(gateway: Gateway, history: History) -> None:
     v1, v2 = history.first.version_id, history.second.version_id
-    versions = ok(admin(gateway, "GET", "/admin/versions", params={"model": gateway.model}))["data"]
+    versions = ok(admin(gateway, "GET", "/admin/models", params={"model": gateway.model}))["data"]
     by_id = {v["id"]: v for v in versions}
     assert by_id[v2]["status"] == "serving" and by_id[v1]["status"] == "retired"
     assert by_id[v2]["lineage"] == [v2, v1] and by_id[v1]["lineage"] == [v1]
     assert by_id[v2]["metrics"]["round_id"] == history.second.round_id and "loss" in by_id[v2]["metrics"]
-    detail = ok(admin(gateway, "GET", f"/admin/versions/{v2}"))
+    detail = ok(admin(gateway, "GET", f"/admin/models/{v2}"))
     assert detail["parent_id"] == v1 and [a["id"] for a in detail["ancestors"]] == [v1]
-    assert ok(admin(gateway, "GET", "/admin/versions", params={"status": "retired", "limit": 1}))["data"][0]["id"] == v1
-    error(admin(gateway, "GET", "/admin/versions", params={"status": "live"}), 400)
-    error(admin(gateway, "GET", "/admin/versions/v-unknown"), 404, "version_not_found")
+    assert ok(admin(gateway, "GET", "/admin/models", params={"status": "retired", "limit": 1}))["data"][0]["id"] == v1
+    error(admin(gateway, "GET", "/admin/models", params={"status": "live"}), 400)
+    error(admin(gateway, "GET", "/admin/models/v-unknown"), 404, "version_not_found")
 
 
 def test_rollback_and_promote_swap_with_zero_failures(
@@ -214,23 +214,23 @@ def test_rollback_and_promote_swap_with_zero_failures(
         set_version_status(session, version_id="bad-1", status="rejected", reason="eval: worse than serving")
 
     with StreamingLoad(gateway.client(gateway.keys["acme"]), gateway.model) as load:
-        back = ok(admin(gateway, "POST", f"/admin/versions/{v1}/rollback", json={"reason": "v2 regressed"}))
+        back = ok(admin(gateway, "POST", f"/admin/models/{v1}/rollback", json={"reason": "v2 regressed"}))
         assert back["weight_version"] == v1 and back["previous_version"] == v2
         wait_for(lambda: v1 in load.fingerprints)  # the clients saw v1 before it goes again
-        forward = ok(admin(gateway, "POST", "/admin/versions/cand-1/promote"))
+        forward = ok(admin(gateway, "POST", "/admin/models/cand-1/promote"))
         assert forward["weight_version"] == "cand-1" and forward["previous_version"] == v1
     assert load.failures == [] and load.completed > 0
     assert {v1, "cand-1"} <= load.fingerprints
     statuses = {v.id: v.status for v in versions_of(gateway)}
     assert statuses == {v1: "retired", v2: "retired", "cand-1": "serving", "bad-1": "rejected"}
 
-    error(admin(gateway, "POST", "/admin/versions/bad-1/promote"), 409, "version_state")
-    error(admin(gateway, "POST", "/admin/versions/bad-1/rollback"), 409, "version_state")
-    error(admin(gateway, "POST", "/admin/versions/cand-1/promote"), 409, "version_state")  # serving already
-    error(admin(gateway, "POST", f"/admin/versions/{v2}/promote"), 409, "version_state")  # served before
-    error(admin(gateway, "POST", "/admin/versions/v-unknown/rollback"), 404, "version_not_found")
+    error(admin(gateway, "POST", "/admin/models/bad-1/promote"), 409, "version_state")
+    error(admin(gateway, "POST", "/admin/models/bad-1/rollback"), 409, "version_state")
+    error(admin(gateway, "POST", "/admin/models/cand-1/promote"), 409, "version_state")  # serving already
+    error(admin(gateway, "POST", f"/admin/models/{v2}/promote"), 409, "version_state")  # served before
+    error(admin(gateway, "POST", "/admin/models/v-unknown/rollback"), 404, "version_not_found")
     assert serving(gateway) == "cand-1"
-    ok(admin(gateway, "POST", f"/admin/versions/{v2}/rollback"))
+    ok(admin(gateway, "POST", f"/admin/models/{v2}/rollback"))
     assert serving(gateway) == v2
 
     rollbacks = audit(gateway, "version.rollback")
