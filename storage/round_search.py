@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, Select, Table, and_, or_, select
+from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
+from storage.keyset import newest_first
 from storage.learning_errors import NotFoundError
 from storage.model_versions import ModelVersionView, get_version
 from storage.models import ModelVersion, TrainingRound
@@ -36,7 +37,7 @@ def search_rounds(
     Raises:
         NotFoundError: ``before`` is not a round id.
     """
-    query = _page(select(_ROUNDS), _ROUNDS, session, before, limit)
+    query = newest_first(select(_ROUNDS), _ROUNDS, session, before=before, limit=limit, what="round")
     for column, value in (("model", model), ("status", status), ("trigger", trigger)):
         if value is not None:
             query = query.where(_ROUNDS.c[column] == value)
@@ -58,7 +59,7 @@ def search_versions(
     Raises:
         NotFoundError: ``before`` is not a version id.
     """
-    query = _page(select(_VERSIONS), _VERSIONS, session, before, limit)
+    query = newest_first(select(_VERSIONS), _VERSIONS, session, before=before, limit=limit, what="model version")
     if model is not None:
         query = query.where(_VERSIONS.c.model == model)
     if status is not None:
@@ -81,16 +82,3 @@ def version_lineage(session: Session, *, version_id: str) -> tuple[ModelVersionV
         except NotFoundError:  # the FK sets a deleted parent to NULL, so only a racing delete lands here
             break
     return tuple(chain)
-
-
-def _page(query: Select, table: Table, session: Session, before: str | None, limit: int) -> Select:
-    query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit)
-    if before is None:
-        return query
-    cursor = session.scalar(select(table.c.created_at).where(table.c.id == before))
-    if cursor is None:
-        raise NotFoundError(f"no {'round' if table is _ROUNDS else 'model version'} {before} to page from")
-    after: ColumnElement[bool] = or_(
-        table.c.created_at < cursor, and_(table.c.created_at == cursor, table.c.id < before)
-    )
-    return query.where(after)
