@@ -215,7 +215,7 @@ async function loadTrend() {
     shown.map((p) =>
       el(
         "tr",
-        {},
+        { "data-id": p.weight_version },
         td(mono(p.weight_version)),
         td(p.status ? badge(p.status) : el("span", { class: "muted", text: "unrecorded" })),
         td(String(p.rated), "num"),
@@ -240,9 +240,10 @@ function drawTrend(points) {
   const W = 880;
   const H = 240;
   const m = { left: 48, right: 24, top: 22, bottom: 44 };
-  const plotW = W - m.left - m.right;
+  const inset = 44; // keeps the first and last point (and their labels) clear of the axis labels
+  const plotW = W - m.left - m.right - 2 * inset;
   const plotH = H - m.top - m.bottom;
-  const x = (i) => m.left + (points.length === 1 ? plotW / 2 : (i * plotW) / (points.length - 1));
+  const x = (i) => m.left + inset + (points.length === 1 ? plotW / 2 : (i * plotW) / (points.length - 1));
   const y = (v) => m.top + ((1 - v) / 2) * plotH;
   const most = Math.max(...points.map((p) => p.rated));
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "Mean rating per model version" });
@@ -283,7 +284,7 @@ async function loadModels() {
       if (v.status_reason) status.append(el("div", { class: "muted small", text: v.status_reason }));
       return el(
         "tr",
-        {},
+        { "data-id": v.id },
         td(mono(v.id)),
         td(v.model),
         td(status),
@@ -314,7 +315,7 @@ function versionAction(version) {
       return `Now serving ${result.weight_version} (was ${result.previous_version}; swap ${fmtDuration(result.swap_s)}).`;
     });
   };
-  return el("button", { type: "button", class: "small", text: label, onclick, "data-version": version.id });
+  return el("button", { type: "button", class: "small", text: label, onclick });
 }
 
 async function loadRuns() {
@@ -328,7 +329,7 @@ async function loadRuns() {
       const samples = r.samples_trained === null ? "—" : `${r.samples_trained} / ${r.samples_collected ?? "—"}`;
       return el(
         "tr",
-        {},
+        { "data-id": r.id },
         td(mono(shortId(r.id, 16), r.id)),
         td(status),
         td(r.trigger),
@@ -355,7 +356,7 @@ async function loadSchedules() {
       const toggle = s.enabled ? "disable" : "enable";
       return el(
         "tr",
-        { "data-schedule": s.id },
+        { "data-id": s.id },
         td(el("strong", { text: s.name })),
         td(fmtWhen(s)),
         td(quiet),
@@ -402,7 +403,7 @@ async function loadEngines() {
         });
       return el(
         "tr",
-        {},
+        { "data-id": r.id },
         td(mono(r.id)),
         td(badge(r.healthy ? "healthy" : "unhealthy")),
         td(r.weight_version ? mono(r.weight_version) : "—"),
