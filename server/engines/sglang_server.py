@@ -2,7 +2,9 @@
 
 Same paths, fields and shapes as SGLang 0.5.23, so one HTTP client drives both this process and a
 real SGLang server: /generate, /model_info, /health, /health_generate, /update_weights_from_disk,
-/update_weights_from_tensor, /pause_generation, /continue_generation, /flush_cache.
+/update_weights_from_tensor, /pause_generation, /continue_generation, /flush_cache, and the
+distributed sync (/init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group, /begin_weight_update, /end_weight_update).
 
 Two additions SGLang does not have, announced in /model_info's ``weight_sources``:
 /update_weights_from_delta (a byte-level delta against the serving version, ``server.weight_delta``)
@@ -25,6 +27,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
 from server.engines.base import DEFAULT_PRIORITY, EngineError, SamplingParams, TokenChunk
+from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
 from server.engines.local.weights import WeightLoadError
 from server.engines.sglang_protocol import finish_to_json, sampling_from_json, spans_to_json
@@ -41,6 +44,10 @@ def _json(data: Any, status: int = 200) -> Response:
 
 def _error(message: str, status: int = 400) -> Response:
     return _json({"error": {"message": message}}, status)
+
+
+def _updated(version: str) -> str:
+    return f"Succeeded to update model weights to {version}."
 
 
 class _Result:
@@ -110,11 +117,13 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
     """The app; ``open_engine`` runs at start-up, and the engine is closed at shutdown."""
     engine: LocalEngine
     tokenizer: Any
+    groups: UpdateGroups
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        nonlocal engine, tokenizer
+        nonlocal engine, tokenizer, groups
         engine = await open_engine()
+        groups = UpdateGroups(engine.device)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, engine.model_info().model_path)
         yield
         await engine.close()
@@ -187,8 +196,8 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
             return Response(status_code=503)
         return Response(status_code=200)
 
-    async def update(body: dict[str, Any], version: str, load: Callable[[], Awaitable[None]]) -> Response:
-        """Run one weight update the SGLang way: success flag and message, 200 or 400."""
+    async def update(body: dict[str, Any], load: Callable[[], Awaitable[None]], done: str) -> Response:
+        """Run one weight update (or group change) the SGLang way: success flag and message, 200 or 400."""
         try:
             if body.get("abort_all_requests"):
                 await engine.pause("abort")
@@ -198,7 +207,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
             return _json({"success": False, "message": str(exc)}, 409)
         except (WeightLoadError, DeltaError, TensorPayloadError, OSError, EngineError) as exc:
             return _json({"success": False, "message": str(exc)}, 400)
-        return _json({"success": True, "message": f"Succeeded to update model weights to {version}."})
+        return _json({"success": True, "message": done})
 
     async def update_body(request: Request, *required: str) -> dict[str, Any] | Response:
         try:
@@ -219,7 +228,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
             return body
         path = body["model_path"]
         version = str(body.get("weight_version") or path)
-        return await update(body, version, lambda: engine.update_weights(path, version))
+        return await update(body, lambda: engine.update_weights(path, version), _updated(version))
 
     @app.post("/update_weights_from_delta")
     async def update_weights_from_delta(request: Request) -> Response:
@@ -234,7 +243,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
             delta = await asyncio.to_thread(WeightDelta.open, Path(body["delta_path"]))
             await engine.update_weights_from_delta(delta, body["model_path"], version)
 
-        return await update(body, version, load)
+        return await update(body, load, _updated(version))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
@@ -255,7 +264,42 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
                 raise TensorPayloadError("the payload names a tensor twice")
             await engine.update_weights_from_tensors(tensors, version)
 
-        return await update(body, version, load)
+        return await update(body, load, _updated(version))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        """Join the trainer's group (returns once all ranks joined); see server.engines.distributed_receiver."""
+        body = await update_body(request)
+        if isinstance(body, Response):
+            return body
+        return await update(body, lambda: groups.join(GroupRequest.parse(body)), "Joined the group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        """One bucket broadcast from rank 0; the prefix cache is always flushed (``flush_cache`` is moot)."""
+        body = await update_body(request)
+        if isinstance(body, Response):
+            return body
+        version = str(body.get("weight_version") or engine.model_info().weight_version)
+
+        async def load() -> None:
+            tensors = await groups.receive(BucketRequest.parse(body))
+            await engine.update_weights_from_bucket(tensors, version)
+
+        return await update(body, load, _updated(version))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = await update_body(request, "group_name")
+        if isinstance(body, Response):
+            return body
+        return await update({}, lambda: groups.leave(body["group_name"]), "Left the group.")
+
+    @app.post("/begin_weight_update")
+    @app.post("/end_weight_update")
+    async def weight_update_session() -> Response:
+        """SGLang 0.5.23 wants distributed updates between these two; this engine needs no session."""
+        return _json({"success": True, "message": "ok"})
 
     @app.get("/weights_checksum")
     async def weights_checksum() -> Response:

@@ -43,6 +43,7 @@ from server.engines.local.sampler import sample
 from server.engines.local.sequence import Sequence, deliver
 from server.engines.local.weights import (
     WeightLoadError,
+    check_bucket,
     check_compatible,
     copy_weights,
     load_model,
@@ -234,6 +235,19 @@ class LocalEngine:
         check_compatible(self._model, tensors)
         await self._call(lambda: self._swap(tensors, self._model_path, weight_version))
         log.info("weights updated from tensors", extra={"weight_version": weight_version, "tensors": len(tensors)})
+
+    async def update_weights_from_bucket(self, tensors: dict[str, torch.Tensor], weight_version: str) -> None:
+        """Copy part of the weights (one bucket of a distributed update) in and label them ``weight_version``.
+
+        Each tensor must have its parameter's shape and a dtype the served one holds exactly.
+        Buckets loaded before stay loaded, as with SGLang; the model path stays what it was.
+        """
+        check_bucket(self._model, tensors)
+        await self._call(lambda: self._swap(tensors, self._model_path, weight_version))
+
+    @property
+    def device(self) -> torch.device:
+        return self._model.device
 
     async def weights_checksums(self) -> dict[str, dict[str, Any]]:
         """Per parameter: dtype, shape and the sha256 of its bytes, as served now (between two steps)."""

@@ -59,6 +59,32 @@ def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -
         raise WeightLoadError("checkpoint does not match the served model: " + "; ".join(problems))
 
 
+def converts_exactly(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of ``source`` is a value of ``target`` (bfloat16 -> float32: yes; back: no)."""
+    if source == target:
+        return True
+    if not (source.is_floating_point and target.is_floating_point):
+        return False
+    src, dst = torch.finfo(source), torch.finfo(target)
+    return dst.max >= src.max and dst.eps <= src.eps and dst.smallest_normal <= src.smallest_normal
+
+
+def check_bucket(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse part of the weights (one bucket of a distributed update) that does not fit the model:
+    unknown names, other shapes, or a dtype the served one cannot hold exactly."""
+    params = model.state_dict()
+    unknown = [name for name in tensors if name not in params]
+    wrong = [
+        f"{name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)} into {str(p.dtype).removeprefix('torch.')}"
+        f"{list(p.shape)}"
+        for name, t in tensors.items()
+        if (p := params.get(name)) is not None and (t.shape != p.shape or not converts_exactly(t.dtype, p.dtype))
+    ]
+    problems = [f"unknown {unknown[:5]}"] * bool(unknown) + [f"does not fit {wrong[:5]}"] * bool(wrong)
+    if problems:
+        raise WeightLoadError("tensors do not match the served model: " + "; ".join(problems))
+
+
 @torch.no_grad()
 def copy_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
     """Overwrite parameters in place (tied weights follow because they share storage)."""
