@@ -82,11 +82,13 @@ def start_round(
     round_id: str | None = None,
     config: dict[str, Any] | None = None,
     base_version_id: str | None = None,
+    schedule_id: str | None = None,
     now: datetime | None = None,
 ) -> TrainingRoundView:
     """Mark a round running on ``worker_id``, from the last succeeded round's watermark.
 
-    Claims the queued round ``round_id`` when given (and it exists), else creates a new one.
+    Claims the queued round ``round_id`` when given (and it exists), else creates a new one (fired by
+    the schedule ``schedule_id``, if any).
 
     Raises:
         RoundBusyError: another round of ``model`` is running.
@@ -108,7 +110,7 @@ def start_round(
         with session.begin_nested():  # a savepoint: a busy model must not spoil the caller's transaction
             if existing is None:
                 values = _new_round(model, trigger, config, base_version_id, round_id)
-                session.execute(_ROUNDS.insert().values(**values, **running, created_at=now))
+                session.execute(_ROUNDS.insert().values(**values, **running, schedule_id=schedule_id, created_at=now))
             else:
                 session.execute(update(_ROUNDS).where(_ROUNDS.c.id == round_id).values(**running))
     except IntegrityError as exc:

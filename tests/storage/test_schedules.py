@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 
 from storage.db import make_engine, make_session_factory
 from storage.learning_errors import NotFoundError
+from storage.rounds import get_round, start_round
 from storage.schedules import (
     ScheduleNameTaken,
     claim_slot,
@@ -150,3 +151,15 @@ def test_claims_released_counted_and_the_last_firing(engine: Engine) -> None:
         assert claim_slot(session, schedule_id=schedule.id, slot="feedback:123:0", now=t0 + timedelta(minutes=3))
     with sessions() as session:
         assert last_fired_at(session, [schedule.id])[schedule.id] == t0 + timedelta(minutes=3)
+
+
+def test_a_round_names_the_schedule_that_fired_it_and_outlives_it(engine: Engine) -> None:
+    sessions = make_session_factory(engine)
+    with sessions.begin() as session:
+        schedule = create_schedule(session, fields())
+        started = start_round(
+            session, model=f"m-{uuid.uuid4().hex[:8]}", worker_id="w", trigger="schedule", schedule_id=schedule.id
+        )
+        delete_schedule(session, schedule.id)
+    with sessions() as session:
+        assert get_round(session, round_id=started.id).schedule_id == schedule.id
