@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from storage.db import make_engine, make_session_factory
 from storage.learning_errors import NotFoundError
-from storage.rounds import get_round, start_round
+from storage.rounds import finish_round, get_round, start_round
 from storage.schedules import (
     ScheduleNameTaken,
     claim_slot,
@@ -161,5 +161,7 @@ def test_a_round_names_the_schedule_that_fired_it_and_outlives_it(engine: Engine
             session, model=f"m-{uuid.uuid4().hex[:8]}", worker_id="w", trigger="schedule", schedule_id=schedule.id
         )
         delete_schedule(session, schedule.id)
+        # Not left running: other tests of the shared PostgreSQL database fail stale rounds of every model.
+        finish_round(session, round_id=started.id, status="failed", error="test")
     with sessions() as session:
         assert get_round(session, round_id=started.id).schedule_id == schedule.id
