@@ -52,6 +52,7 @@ class HookKind(StrEnum):
     ROLLOUT = "rollout"
     EVAL_ROLLOUT = "eval_rollout"
     CUSTOM_LOSS = "custom_loss"
+    EVAL = "eval"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,8 @@ _SPECS = (
         "--eval-function-path",
         keywords=("evaluation",),
     ),
+    # The evaluation gate's metric: the reward function's contract, scoring a generated eval answer.
+    HookSpec(HookKind.EVAL, ("args", "sample"), "float", True, "--custom-rm-path (as an eval metric)"),
     HookSpec(
         HookKind.CUSTOM_LOSS,
         ("args", "batch", "logits", "sum_of_sample_mean"),

@@ -188,8 +188,8 @@ async def score_samples(
     """Score samples with a reward plugin and store each result in ``sample.reward``.
 
     Args:
-        plugin: a ``REWARD`` plugin (called once per sample, at most ``max_concurrency`` at a time)
-            or a ``BATCHED_REWARD`` plugin (called once with all samples).
+        plugin: a ``REWARD`` or ``EVAL`` plugin (called once per sample, at most ``max_concurrency``
+            at a time) or a ``BATCHED_REWARD`` plugin (called once with all samples).
         args: passed through to the plugin.
         samples: the samples to score.
         max_concurrency: bound on concurrent per-sample calls (a judge or remote model has limits).
@@ -214,7 +214,7 @@ async def score_samples(
             got = len(results) if isinstance(results, list | tuple) else type(results).__name__
             raise plugin.error(f"returned {got} rewards for {len(todo)} samples")
         rewards = [_checked_reward(plugin, r, f"sample {s.index}") for r, s in zip(results, todo, strict=True)]
-    elif plugin.kind is HookKind.REWARD:
+    elif plugin.kind in (HookKind.REWARD, HookKind.EVAL):
         gate = asyncio.Semaphore(max_concurrency)
 
         async def one(sample: Sample) -> float | dict[str, Any]:

@@ -5,12 +5,19 @@
     -> rollout, when the reward can score new text: n fresh answers per prompt, scored, grouped
     with the rated answers, filtered and normalised (``learner.groups``)
     -> train in a child process on the serving checkpoint -> export -> record a candidate version
+    -> evaluate: candidate and serving scored on the eval set (``learner.evaluation``); a candidate
+    worse than serving by more than the margin stays a candidate (result ``held_back``)
     -> ask the server to roll it out (``POST /admin/weights``) -> finish_round(succeeded)
 
 Any failure after the lock is taken finishes the round ``failed`` with the error: the watermark does
 not move (the next round collects the same feedback again) and serving is untouched, because only
 the server changes weights and it is asked last. A round with no new feedback finishes at once as
 "nothing to learn", without training.
+
+Rated answers to held-out prompts (``learner.evaluation.eval_set``) are dropped at collect and from
+the reward model's history: they only ever evaluate. A held-back round still moves the watermark:
+its data made a candidate, judged and kept (an admin may promote it); retraining on the same data
+every round would repeat the verdict, or, with harmful ratings, retry them forever.
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
 from learner.debug_batch import save_batch
+from learner.evaluation import EvalFailed, evaluate_candidate, held_out_answers, load_eval_set, split_held_out
 from learner.groups import GroupSettings, Scorer, build_groups
 from learner.judge import judge
 from learner.plugins import HookKind
 from learner.reward_model import RewardModelError, fit_reward_model
 from learner.rewards import feedback_reward, score_samples
 from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
-from learner.round_metrics import write_round_metrics
+from learner.round_metrics import write_round_metrics, write_step_metrics
 from learner.sample import Sample
 from learner.server_api import ServerApi
 from learner.trainers import TrainingRequest, run_training_child, weights_sha256
@@ -116,6 +124,7 @@ class _Round:
     watermark: int | None = None
     samples: list[Sample] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    eval_samples: list[Sample] | None = None  # the eval set, built once when first needed
 
     @property
     def model(self) -> str:
@@ -152,8 +161,13 @@ class _Round:
             checkpoint = self.train(request)
         with self.timer("export"):
             version_id = self.record_version(checkpoint)
-        with self.timer("swap"):
-            self.swap(checkpoint, version_id)
+        promote = True
+        if self.config.evaluation.on:
+            with self.timer("evaluate"):
+                promote = self.evaluate(checkpoint, version_id)
+        if promote:
+            with self.timer("swap"):
+                self.swap(checkpoint, version_id)
         self.metrics["seconds"] = self.timer.seconds
         self.finish(
             status="succeeded",
@@ -164,7 +178,7 @@ class _Round:
             produced_version_id=version_id,
         )
         self.write_metrics()
-        return self.result("succeeded", version_id=version_id, checkpoint_path=checkpoint)
+        return self.result("succeeded" if promote else "held_back", version_id=version_id, checkpoint_path=checkpoint)
 
     # steps
 
@@ -181,8 +195,16 @@ class _Round:
                 max_age=config.max_age,
             )
         self.watermark = batch.watermark
-        self.samples = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+        rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+        self.samples = self.trainable(rated)
+        if config.evaluation.holds_out:
+            self.metrics["eval/held_out"] = len(rated) - len(self.samples)
         return len(batch.items)
+
+    def trainable(self, rated: list[Sample]) -> list[Sample]:
+        """``rated`` less the answers to held-out prompts, which only ever evaluate."""
+        evaluation = self.config.evaluation
+        return split_held_out(rated, evaluation.holdout_fraction)[0] if evaluation.holds_out else rated
 
     def feedback_advantages(self) -> list[float]:
         """Rewards from the ratings; advantage = reward minus the group mean or the user's baseline."""
@@ -226,7 +248,7 @@ class _Round:
         config = self.config
         with self.sessions.begin() as session:
             history = collect_feedback(session, model=self.model, since=0, until=self.watermark)
-        rated = [s for s in feedback_samples(history.items) if s.response_length > 0]
+        rated = self.trainable([s for s in feedback_samples(history.items) if s.response_length > 0])
         rewards = assign_feedback_rewards(rated, config.reward_mapping)
         try:
             model = fit_reward_model(
@@ -299,8 +321,29 @@ class _Round:
         recorded = (parent or {}).get("metrics", {}).get("base_model_path")
         return Path(recorded) if recorded else self.base_dir
 
+    def eval_set(self) -> list[Sample]:
+        """The prompts file, or the held-out rated answers up to this round's watermark (same filters)."""
+        if self.eval_samples is None:
+            config, held_out = self.config, []
+            if config.evaluation.holds_out:
+                with self.sessions.begin() as session:
+                    history = collect_feedback(
+                        session,
+                        model=self.model,
+                        since=0,
+                        until=self.watermark,
+                        tenant_id=config.tenant_id,
+                        end_user=config.end_user,
+                        max_age=config.max_age,
+                    )
+                held_out = held_out_answers(history.items, config.evaluation, config.reward_mapping)
+            self.eval_samples = load_eval_set(config.evaluation, held_out)
+        return self.eval_samples
+
     def training_request(self, advantages: list[float]) -> TrainingRequest:
         config = self.config
+        every = config.evaluation.every_steps
+        eval_set = tuple(self.eval_set()) if every else ()
         return TrainingRequest(
             base_model_dir=self.base_dir,
             out_dir=config.checkpoint_dir / f"v{self.watermark}-{uuid.uuid4().hex[:8]}",
@@ -313,6 +356,9 @@ class _Round:
             debug_fault=config.debug_fault,
             advantages=tuple(advantages),
             reference_model_dir=self.root_dir,
+            eval_every=every if eval_set else 0,
+            eval_set=eval_set,
+            eval_method=config.evaluation.method,
         )
 
     def train(self, request: TrainingRequest) -> Path:
@@ -326,6 +372,8 @@ class _Round:
         if outcome.status != "succeeded" or outcome.checkpoint is None:
             raise _StageFailed(f"training {outcome.failure}: {outcome.error}")
         self.metrics |= dict(outcome.metrics[-1]) if outcome.metrics else {}
+        if outcome.evaluations:
+            self.metrics["eval/training"] = list(outcome.evaluations)
         # The child hashed what it wrote; hashing again (in export) proves the folder is whole.
         self.metrics["checkpoint_sha256"] = outcome.checkpoint.sha256
         return outcome.checkpoint.path
@@ -349,6 +397,29 @@ class _Round:
             )
         return version_id
 
+    def evaluate(self, checkpoint: Path, version_id: str) -> bool:
+        """Whether the candidate may serve; its version row records the evaluation and the why."""
+        parent = self.parent
+        try:
+            evaluation = evaluate_candidate(
+                self.config.evaluation,
+                self.eval_set(),
+                candidate=checkpoint,
+                serving=self.base_dir,
+                serving_version=parent["id"] if parent else None,
+                num_threads=self.config.num_threads,
+            )
+        except EvalFailed as exc:
+            self.set_status(version_id, f"evaluation failed: {str(exc).splitlines()[0]}")
+            raise _StageFailed(f"evaluating {version_id} failed: {exc}") from exc
+        self.metrics |= evaluation.metrics | {"eval/reason": evaluation.reason}
+        self.set_status(version_id, evaluation.reason, evaluation=evaluation.record)
+        return evaluation.passed
+
+    def set_status(self, version_id: str, reason: str, **values: Any) -> None:
+        with self.sessions.begin() as session:
+            set_version_status(session, version_id=version_id, status="candidate", reason=reason, **values)
+
     def swap(self, checkpoint: Path, version_id: str) -> None:
         try:
             self.server.roll_out(str(checkpoint), version_id)
@@ -368,6 +439,18 @@ class _Round:
         write_round_metrics(
             self.config.metrics, model=self.model, step=step, metrics=self.metrics, seconds=self.timer.seconds
         )
+        if "eval/training" in self.metrics:
+            # Plotted against the model's optimizer steps: the steps of its earlier trained rounds come first.
+            with self.sessions() as session:
+                earlier = list_rounds(session, model=self.model, status="succeeded", limit=1_000_000)
+            offset = sum(
+                int(r.config.get("num_steps", 1)) for r in earlier if r.samples_trained and r.id != self.round_id
+            )
+            points = [
+                (offset + int(e["step"]), {f"eval/training/{k}": v for k, v in e.items() if k != "step"})
+                for e in self.metrics["eval/training"]
+            ]
+            write_step_metrics(self.config.metrics, model=self.model, points=points)
 
     def finish(self, **values: Any) -> None:
         with self.sessions.begin() as session:

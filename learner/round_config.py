@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 
 from learner.algorithms import PolicyLossConfig
 from learner.baselines import BaselineKind
+from learner.evaluation import EvalConfig
 from learner.judge import JudgeConfig
 from learner.plugins import HookKind, load_plugins
 from learner.reward_model import RewardModelConfig
@@ -22,8 +23,9 @@ from learner.trainers.child import DebugFault
 
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
-# In the order a round runs them; ``rollout`` only when the reward can score new text.
-STAGES = ("collect", "reward", "rollout", "train", "export", "swap")
+# In the order a round runs them; ``rollout`` only when the reward can score new text, ``evaluate``
+# only with the evaluation gate on, ``swap`` only for a candidate that passed it.
+STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "swap")
 
 RewardSource = Literal["feedback", "reward_model", "judge", "custom"]
 RoundMode = Literal["train", "rollout_only"]
@@ -58,6 +60,10 @@ class RoundConfig:
     ``reward_path`` (slime's ``async (args, sample) -> float``, or batched ``(args, samples) -> list``
     with ``reward_batched``). Plugins by dotted path: ``dynamic_filter_path``,
     ``reward_post_process_path``, ``buffer_filter_path`` (slime's hooks, checked at config time).
+
+    Evaluation (``evaluation``, ``docs/evaluation.md``): between export and swap, the candidate and
+    the serving version are scored on an eval set; the candidate is rolled out only when it is not
+    worse than serving by more than the margin, else it stays ``candidate`` (result ``held_back``).
 
     ``mode="rollout_only"`` collects, scores and (with ``save_batch_dir``) saves the batch, then stops:
     no training, no new version, the watermark stays. ``tandem replay`` trains a saved batch later,
@@ -94,6 +100,7 @@ class RoundConfig:
     num_steps: int = 1
     num_threads: int | None = None
     train_timeout_s: float = 3600.0
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     # metrics, debugging and plumbing
     metrics: RoundMetricsConfig | None = None  # TensorBoard / W&B; None: only the round's row
     mode: RoundMode = "train"
@@ -158,6 +165,7 @@ class RoundConfig:
             "kl_loss_coef": self.train_config.loss.kl_loss_coef,
             "filters": {"tenant_id": self.tenant_id, "end_user": self.end_user, "max_age_s": self.max_age_s},
             "mode": self.mode,
+            "evaluation": self.evaluation.summary(),
         }
 
 
@@ -166,11 +174,14 @@ class RoundResult:
     """How a round ended; ``seconds`` has one entry per stage that ran (see ``STAGES``).
 
     ``train`` is the whole training child (load, steps, and the checkpoint write with its sha256);
-    ``export`` is re-hashing the written checkpoint and recording its version row; ``swap`` is the
-    server's rolling update as the learner waits for it.
+    ``export`` is re-hashing the written checkpoint and recording its version row; ``evaluate`` is
+    scoring candidate and serving; ``swap`` is the server's rolling update as the learner waits for it.
+
+    ``held_back``: the round trained and recorded ``version_id``, but the evaluation gate kept it a
+    candidate (its row's ``status_reason`` says why); serving is unchanged.
     """
 
-    status: Literal["succeeded", "nothing_to_learn", "rollout_only", "failed"]
+    status: Literal["succeeded", "held_back", "nothing_to_learn", "rollout_only", "failed"]
     round_id: str
     model: str
     samples: int = 0

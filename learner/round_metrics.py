@@ -4,7 +4,8 @@ The round's own row (``finish_round(metrics=...)``) is the source of truth; thes
 it for plotting. So writing them never fails a round: any error is logged as a warning and dropped.
 
 Names are grouped as slime's: ``rollout/`` (rewards, response lengths), ``train/`` (the policy loss
-parts, grad norm), ``perf/`` (throughput), ``time/<stage>_s`` (the round's stages, swap included).
+parts, grad norm), ``perf/`` (throughput), ``time/<stage>_s`` (the round's stages, swap included),
+``eval/`` (the evaluation gate's scores; ``eval/training/*`` at optimizer steps, ``write_step_metrics``).
 A name that already has a group (``perf/tokens_per_sec``) keeps it; an unknown bare name goes under
 ``round/``. The step is the caller's monotonically increasing round number for the model (e.g. the
 count of its succeeded rounds): TensorBoard plots each model's rounds in order, and W&B drops a
@@ -17,7 +18,7 @@ import hashlib
 import importlib.util
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -27,7 +28,7 @@ from learner.algorithms.losses import LossResult
 if TYPE_CHECKING:
     from tandem.settings import Settings
 
-__all__ = ["RoundMetricsConfig", "WandbMode", "round_scalars", "write_round_metrics"]
+__all__ = ["RoundMetricsConfig", "WandbMode", "round_scalars", "write_round_metrics", "write_step_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def write_round_metrics(
         return scalars
     if config.tensorboard_dir is not None:
         try:
-            _write_tensorboard(config.tensorboard_dir / _safe_name(model), step, scalars)
+            _write_tensorboard(config.tensorboard_dir / _safe_name(model), [(step, scalars)])
         except Exception:
             log.warning("round metrics: TensorBoard write failed", extra={"model": model, "step": step}, exc_info=True)
     if config.wandb_project:
@@ -177,15 +178,31 @@ def write_round_metrics(
     return scalars
 
 
-def _write_tensorboard(log_dir: Path, step: int, scalars: Mapping[str, float]) -> None:
+def write_step_metrics(
+    config: RoundMetricsConfig, *, model: str, points: Sequence[tuple[int, Mapping[str, Any]]]
+) -> None:
+    """Points of a series within a round (periodic evaluation during training) at their own steps,
+    e.g. the model's optimizer steps; TensorBoard only (a W&B run takes one step axis, the round's).
+    Never raises."""
+    if config.tensorboard_dir is None or not points:
+        return
+    try:
+        scalars = [(step, round_scalars(values)) for step, values in points]
+        _write_tensorboard(config.tensorboard_dir / _safe_name(model), scalars)
+    except Exception:
+        log.warning("round metrics: TensorBoard step series write failed", extra={"model": model}, exc_info=True)
+
+
+def _write_tensorboard(log_dir: Path, points: Sequence[tuple[int, Mapping[str, float]]]) -> None:
     from torch.utils.tensorboard import SummaryWriter  # heavy; only when a round ends
 
     # One event file per round (the name carries time, host, pid and a counter); TensorBoard reads
     # every file of the folder as one run.
     writer = SummaryWriter(log_dir=str(log_dir))
     try:
-        for name, value in scalars.items():
-            writer.add_scalar(name, value, global_step=step)
+        for step, scalars in points:
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, global_step=step)
     finally:
         writer.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from learner.evaluation import EvalConfig, EvalMethod
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
 from learner.round_config import default_train_config
@@ -12,7 +13,7 @@ from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from tandem.settings import Settings
 
-__all__ = ["round_config", "train_config"]
+__all__ = ["eval_config", "round_config", "train_config"]
 
 
 def train_config(settings: Settings) -> TrainConfig:
@@ -22,10 +23,33 @@ def train_config(settings: Settings) -> TrainConfig:
     return dataclasses.replace(defaults, loss=loss, custom_loss_path=settings.learn_custom_loss_path)
 
 
+def eval_config(settings: Settings) -> EvalConfig:
+    """The evaluation gate from the ``eval_*`` settings."""
+    method = EvalMethod(
+        fn_path=settings.eval_fn_path,
+        temperature=settings.eval_temperature,
+        top_p=settings.eval_top_p,
+        max_tokens=settings.eval_max_tokens,
+        samples_per_prompt=settings.eval_samples_per_prompt,
+        seed=settings.eval_seed,
+    )
+    return EvalConfig(
+        gate=settings.eval_gate,
+        margin=settings.eval_margin,
+        method=method,
+        prompts_path=settings.eval_prompts,
+        holdout_fraction=settings.eval_holdout_fraction,
+        max_samples=settings.eval_max_samples,
+        every_steps=settings.eval_every_steps,
+        timeout_s=settings.eval_timeout_s,
+    )
+
+
 def round_config(
     settings: Settings, *, server_url: str, admin_key: str, trigger: Literal["manual", "schedule"]
 ) -> RoundConfig:
-    """A round against ``server_url`` with the learning settings (``learn_*``, ``round_*``, ``checkpoint_dir``)."""
+    """A round against ``server_url`` with the learning settings (``learn_*``, ``eval_*``, ``round_*``,
+    ``checkpoint_dir``)."""
     return RoundConfig(
         server_url=server_url,
         admin_key=admin_key,
@@ -47,4 +71,5 @@ def round_config(
         metrics=RoundMetricsConfig.from_settings(settings),
         save_batch_dir=settings.learn_save_batch_dir,
         train_config=train_config(settings),
+        evaluation=eval_config(settings),
     )

@@ -97,6 +97,20 @@ class Settings(BaseSettings):
     learn_kl_coef: float = Field(0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
     learn_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     learn_custom_loss_path: str | None = Field(None, description="a loss replacing the built-in, 'module:function'")
+    # Evaluation before promotion (docs/evaluation.md).
+    eval_gate: Literal["on", "off"] = Field("on", description="off: no evaluation, no holdout, always roll out")
+    eval_margin: float = Field(0.05, ge=0, description="promote when candidate score >= serving score - this")
+    eval_prompts: Path | None = Field(None, description="JSONL eval prompts; unset: held-out rated traffic")
+    eval_holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts never trained on")
+    eval_max_samples: int = Field(256, ge=1, description="latest held-out rated answers evaluated")
+    eval_fn_path: str | None = Field(None, description="eval function 'module:function'; unset: loglik margin")
+    eval_temperature: float = Field(0.7, ge=0)
+    eval_top_p: float = Field(1.0, gt=0, le=1)
+    eval_max_tokens: int = Field(128, ge=1)
+    eval_samples_per_prompt: int = Field(1, ge=1, le=64)
+    eval_seed: int = 0
+    eval_every_steps: int = Field(0, ge=0, description="also evaluate during training every N optimizer steps")
+    eval_timeout_s: float = Field(1800.0, gt=0)
     checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
     round_heartbeat_s: float = Field(30.0, gt=0)
     round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")

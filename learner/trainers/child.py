@@ -1,10 +1,11 @@
 """Training in a child process: a crash, OOM kill, hang or NaN there fails the run and nothing else.
 
-The parent writes a ``TrainingRequest`` as JSON into a scratch folder and runs
-``python -m learner.trainers.child REQUEST``; the child loads the base checkpoint, trains, exports and
-writes ``outcome.json`` next to the request. The parent trusts only that file: a child killed by a
-signal, exiting non-zero, or out of time never wrote one, and its stderr tail becomes the error.
-Serving state is never touched from here: the checkpoint is a new folder the caller may roll out.
+The parent runs ``python -m learner.trainers.child REQUEST`` (``learner.child_process``); the child
+loads the base checkpoint, trains, exports and writes its ``TrainingOutcome``. Serving state is never
+touched from here: the checkpoint is a new folder the caller may roll out.
+
+With ``eval_every`` > 0 the child also scores the in-training weights on ``eval_set`` before the
+first step and after every ``eval_every``-th (``learner.evaluation.scoring``): ``evaluations``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -26,6 +24,8 @@ from typing import Any, Literal, get_args
 import torch
 
 from learner.algorithms import PolicyLossConfig
+from learner.child_process import run_child, write_outcome
+from learner.evaluation.config import EvalMethod
 from learner.sample import Sample
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
 from learner.trainers.torch_backend import TrainConfig, TrainingDiverged, response_log_probs, train_step
@@ -35,7 +35,6 @@ __all__ = ["DebugFault", "FailureKind", "TrainingOutcome", "TrainingRequest", "r
 DebugFault = Literal["exit", "hang"]
 FailureKind = Literal["diverged", "error", "crashed", "timeout"]
 DEBUG_EXIT_CODE = 3
-_STDERR_TAIL = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +62,10 @@ class TrainingRequest:
     advantages: tuple[float, ...] | None = None
     # The KL loss's reference policy (slime: the initial model); None: the base checkpoint itself.
     reference_model_dir: Path | None = None
+    # Periodic evaluation of the in-training weights (0: none).
+    eval_every: int = 0
+    eval_set: tuple[Sample, ...] = ()
+    eval_method: EvalMethod = field(default_factory=EvalMethod)
 
     def __post_init__(self) -> None:
         errors = []
@@ -78,6 +81,8 @@ class TrainingRequest:
             errors.append(f"num_threads must be >= 1, got {self.num_threads}")
         if not self.timeout_s > 0:
             errors.append(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.eval_every < 0 or (self.eval_every > 0 and not self.eval_set):
+            errors.append("eval_every must be >= 0, and > 0 only with an eval_set")
         if self.debug_fault is not None and self.debug_fault not in get_args(DebugFault):
             errors.append(f"debug_fault must be one of {get_args(DebugFault)}, got {self.debug_fault!r}")
         if errors:
@@ -91,6 +96,8 @@ class TrainingRequest:
             reference_model_dir=None if self.reference_model_dir is None else str(self.reference_model_dir),
             samples=[s.to_dict() for s in self.samples],
             config=dataclasses.asdict(self.config),
+            eval_set=[s.to_dict() for s in self.eval_set],
+            eval_method=dataclasses.asdict(self.eval_method),
         )
         return json.dumps(data)
 
@@ -106,6 +113,8 @@ class TrainingRequest:
             samples=tuple(Sample.from_dict(s) for s in data["samples"]),
             config=TrainConfig(**config),
             advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
+            eval_set=tuple(Sample.from_dict(s) for s in data.get("eval_set", ())),
+            eval_method=EvalMethod(**data.get("eval_method", {})),
         )
         return cls(**data)
 
@@ -119,6 +128,7 @@ class TrainingOutcome:
     metrics: tuple[dict[str, float], ...] = ()  # one dict per optimizer step, in order
     error: str | None = None
     failure: FailureKind | None = None
+    evaluations: tuple[dict[str, float], ...] = ()  # periodic evaluation: each has the "step" it followed
 
     def __post_init__(self) -> None:
         if self.status == "succeeded" and (self.checkpoint is None or self.error is not None):
@@ -138,6 +148,7 @@ class TrainingOutcome:
             "metrics": list(self.metrics),
             "error": self.error,
             "failure": self.failure,
+            "evaluations": list(self.evaluations),
         }
 
     @classmethod
@@ -149,57 +160,44 @@ class TrainingOutcome:
             metrics=tuple(data["metrics"]),
             error=data["error"],
             failure=data["failure"],
+            evaluations=tuple(data.get("evaluations", ())),
         )
 
 
 # parent side
 
 
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"the training process was killed by {signal.Signals(-returncode).name}"
-    return f"the training process exited with code {returncode} without reporting an outcome"
-
-
-def _tail(path: Path) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return text[-_STDERR_TAIL:].strip()
-
-
 def run_training_child(request: TrainingRequest) -> TrainingOutcome:
     """Run ``request`` in a fresh Python process and report how it went; never raises for a failed run."""
-    scratch = Path(tempfile.mkdtemp(prefix="tandem-train-"))
-    try:
-        request_path, stderr_path = scratch / "request.json", scratch / "stderr.log"
-        request_path.write_text(request.to_json())
-        with stderr_path.open("wb") as stderr:
-            try:
-                completed = subprocess.run(
-                    [sys.executable, "-m", "learner.trainers.child", str(request_path)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=stderr,
-                    stderr=stderr,
-                    timeout=request.timeout_s,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:  # subprocess.run has killed the child
-                return TrainingOutcome(
-                    "failed", error=f"training exceeded its {request.timeout_s:g} s timeout", failure="timeout"
-                )
-        outcome_path = scratch / "outcome.json"
-        if completed.returncode != 0 or not outcome_path.exists():
-            detail = _tail(stderr_path)
-            error = _describe_exit(completed.returncode) + (f"; stderr:\n{detail}" if detail else "")
-            return TrainingOutcome("failed", error=error, failure="crashed")
-        return TrainingOutcome.from_dict(json.loads(outcome_path.read_text()))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    run = run_child("learner.trainers.child", request.to_json(), timeout_s=request.timeout_s, what="training")
+    if run.outcome is None:
+        return TrainingOutcome("failed", error=run.error, failure=run.failure)
+    return TrainingOutcome.from_dict(run.outcome)
 
 
 # child side
 
 
-def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportResult:
+def _periodic_eval(request: TrainingRequest) -> Callable[[torch.nn.Module, int], dict[str, float]] | None:
+    if request.eval_every == 0:
+        return None
+    from transformers import AutoTokenizer
+
+    from learner.evaluation.scoring import score_model
+
+    tokenizer = AutoTokenizer.from_pretrained(request.base_model_dir)
+
+    def evaluate(model: torch.nn.Module, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        scores = score_model(model, tokenizer, request.eval_set, request.eval_method)  # type: ignore[arg-type]
+        return {"step": float(step), **scores, "seconds": time.perf_counter() - started}
+
+    return evaluate
+
+
+def _train(
+    request: TrainingRequest, metrics: list[dict[str, float]], evaluations: list[dict[str, float]]
+) -> ExportResult:
     from transformers import AutoModelForCausalLM  # the parent never needs it
 
     torch.manual_seed(request.seed)
@@ -226,7 +224,10 @@ def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportR
     if request.num_steps > 1 and not request.config.use_rollout_logprobs:
         # PPO's ratio is against the policy before this rollout's first step, for every step.
         old_log_probs = response_log_probs(model, samples, request.config.max_tokens_per_micro_batch)
-    for _ in range(request.num_steps):
+    evaluate = _periodic_eval(request)
+    if evaluate is not None:
+        evaluations.append(evaluate(model, 0))
+    for step in range(1, request.num_steps + 1):
         metrics.append(
             train_step(
                 model,
@@ -238,6 +239,8 @@ def _train(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportR
                 advantages=advantages,
             )
         )
+        if evaluate is not None and step % request.eval_every == 0:
+            evaluations.append(evaluate(model, step))
     return export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
     )
@@ -250,8 +253,12 @@ def main(argv: list[str]) -> int:
     request_path = Path(argv[1])
     request = TrainingRequest.from_json(request_path.read_text())
     metrics: list[dict[str, float]] = []
+    evaluations: list[dict[str, float]] = []
     try:
-        outcome = TrainingOutcome("succeeded", checkpoint=_train(request, metrics), metrics=tuple(metrics))
+        checkpoint = _train(request, metrics, evaluations)
+        outcome = TrainingOutcome(
+            "succeeded", checkpoint=checkpoint, metrics=tuple(metrics), evaluations=tuple(evaluations)
+        )
     except TrainingDiverged as exc:
         outcome = TrainingOutcome(
             "failed", metrics=tuple(metrics), error=f"TrainingDiverged: {exc}", failure="diverged"
@@ -261,10 +268,7 @@ def main(argv: list[str]) -> int:
         outcome = TrainingOutcome(
             "failed", metrics=tuple(metrics), error=f"{type(exc).__name__}: {exc}\n{detail}", failure="error"
         )
-    # Written then renamed: the parent never reads half an outcome.
-    partial = request_path.with_name("outcome.json.partial")
-    partial.write_text(json.dumps(outcome.to_dict()))
-    os.replace(partial, request_path.with_name("outcome.json"))
+    write_outcome(request_path, outcome.to_dict())
     return 0
 
 

@@ -23,6 +23,7 @@ STAGE_LABELS = {
     "rollout": "sampling and scoring fresh answers (low priority)",
     "train": "training (child process)",
     "export": "checking the checkpoint, recording the version",
+    "evaluate": "evaluating the candidate against the serving version",
     "swap": "rolling the new version out",
 }
 
@@ -132,8 +133,12 @@ def learn_command(
     if result.status == "rollout_only":
         console.print(f"round {result.round_id}: {result.samples} samples, {reward}; rollout only, nothing trained")
         return
+    outcome = (
+        f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s"
+        if result.status == "succeeded"
+        else f"version {result.version_id} held back as a candidate: {result.metrics.get('eval/reason', '')}"
+    )
     console.print(
-        f"round {result.round_id}: {result.samples} samples, {reward}, "
-        f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s",
+        f"round {result.round_id}: {result.samples} samples, {reward}, {outcome}",
         soft_wrap=True,  # one line, whatever the terminal width
     )

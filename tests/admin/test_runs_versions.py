@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from learner.evaluation import EvalConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from storage import get_round, list_versions, record_model_version, set_version_status
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
@@ -56,6 +57,7 @@ def round_config(gateway: Gateway, checkpoints: Path, **overrides: Any) -> Round
         "checkpoint_dir": checkpoints,
         "learning_rate": LEARNING_RATE,
         "num_threads": 1,
+        "evaluation": EvalConfig(gate="off"),  # every round rolls out: the gate is tested in tests/e2e
         **overrides,
     }
     return RoundConfig(**values)

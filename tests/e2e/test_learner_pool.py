@@ -93,6 +93,8 @@ def learner_env(gateway: Gateway, data_dir: Path, prefix: str, **overrides: str)
         "TANDEM_CELERY_VISIBILITY_TIMEOUT_S": "2",
         "TANDEM_LOG_FORMAT": "console",
         "TANDEM_TORCH_THREADS": "1",
+        # Every rating trains and every round rolls out: the evaluation gate has tests of its own.
+        "TANDEM_EVAL_GATE": "off",
         **overrides,
     }
 

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from learner.algorithms import PolicyLossConfig
 from learner.debug_batch import replay_batch
+from learner.evaluation import EvalConfig
 from learner.reward_model import FittedRewardModel, RewardModelConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
@@ -33,6 +34,8 @@ from tests.support.streaming_load import StreamingLoad
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LEARNING_RATE = 1e-2  # the tiny model is stored in bf16: smaller updates round away on export
+# Every rating trains and every round rolls out: the evaluation gate has tests of its own (test_eval_gate.py).
+EVAL_OFF = EvalConfig(gate="off")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,7 @@ def round_config(gateway: Gateway, tmp_path: Path, **overrides: Any) -> RoundCon
         "checkpoint_dir": tmp_path / "checkpoints",
         "learning_rate": LEARNING_RATE,
         "num_threads": 1,
+        "evaluation": EVAL_OFF,
         **overrides,
     }
     return RoundConfig(**values)
@@ -253,7 +257,7 @@ def test_tandem_learn_cli(gateway: Gateway, tmp_path: Path) -> None:
         "--threads",
         "1",
     ]
-    env = {"TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_DATA_DIR": str(tmp_path / "data")}
+    env = {"TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_DATA_DIR": str(tmp_path / "data"), "TANDEM_EVAL_GATE": "off"}
     result = CliRunner().invoke(app, args, env=env)
     assert result.exit_code == 0, result.output
     summary = result.output.strip().splitlines()[-1]

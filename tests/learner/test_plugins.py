@@ -110,6 +110,7 @@ INVOKE = {
     HookKind.ROLLOUT: functools.partial(invoke_rollout, evaluation=False),
     HookKind.EVAL_ROLLOUT: functools.partial(invoke_rollout, evaluation=True),
     HookKind.CUSTOM_LOSS: invoke_signature_only,
+    HookKind.EVAL: invoke_reward,
 }
 
 
@@ -162,6 +163,8 @@ CASES = [
     Case(HookKind.ROLLOUT, examples("rollout_without_evaluation"), "load", "does not accept the keyword 'evaluation'"),
     Case(HookKind.EVAL_ROLLOUT, examples("rollout")),
     Case(HookKind.CUSTOM_LOSS, examples("custom_loss")),
+    Case(HookKind.EVAL, examples("reward_length")),
+    Case(HookKind.EVAL, examples("reward_sync"), "load", "must be 'async def'"),
     Case(HookKind.CUSTOM_LOSS, examples("custom_loss_three_params"), "load", "takes 3 positional parameters"),
 ]
 
