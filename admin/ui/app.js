@@ -175,14 +175,22 @@ function askReason(title, confirmLabel) {
   });
 }
 
-// One action at a time; its outcome shows in the banner and the page refreshes after it.
+// One action at a time (a hot swap takes a while: a second click must not queue another); its
+// outcome shows in the banner and the page refreshes after it.
+let acting = false;
+
 async function act(label, run) {
+  if (acting) return notify(`${label}: another action is still running.`);
+  acting = true;
+  notify(`${label}…`, "info");
   try {
     const message = await run();
     if (message) notify(message, "ok");
   } catch (err) {
     if (err.status === 401) return signOut("The admin key was refused; sign in again.");
     notify(`${label} failed: ${err.message}`);
+  } finally {
+    acting = false;
   }
   refresh();
 }
