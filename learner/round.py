@@ -482,6 +482,7 @@ def _start(sessions: sessionmaker[Session], config: RoundConfig, model: str, par
                 worker_id=config.worker_id,
                 trigger=config.trigger,  # type: ignore[arg-type]
                 base_version_id=parent_id,
+                schedule_id=config.schedule_id,
                 config=config.summary(),
             )
     except RoundBusyError as exc:

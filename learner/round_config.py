@@ -109,6 +109,7 @@ class RoundConfig:
     heartbeat_s: float = 30.0
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     trigger: str = "manual"  # what started the round ("manual", "schedule", ...), stored on its row
+    schedule_id: str | None = None  # the training schedule that fired it, stored on its row
     debug_fault: DebugFault | None = None  # the training child's, to test failure handling
 
     def __post_init__(self) -> None:
