@@ -13,13 +13,22 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import save_torch_state_dict
 from transformers import PreTrainedModel
 
-__all__ = ["CheckpointError", "ExportResult", "checkpoint_dtype", "export_checkpoint", "weights_sha256"]
+__all__ = [
+    "CheckpointError",
+    "ExportResult",
+    "checkpoint_dtype",
+    "export_checkpoint",
+    "export_state_dict",
+    "weights_sha256",
+]
 
 # What a tokenizer can be made of; config and weights come from the model itself.
 TOKENIZER_FILES = (
@@ -87,6 +96,37 @@ def _fsync_tree(root: Path) -> None:
         os.close(descriptor)
 
 
+def _stamp_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    config = json.loads(config_path.read_text())
+    # The config describes the model as it trains; the files hold ``dtype`` (older readers, SGLang's
+    # among them, look for ``torch_dtype``).
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Callable[[Path], None]) -> ExportResult:
+    """Stage ``write(staging)`` plus the source's tokenizer, stamp ``dtype``, hash, rename to ``out_dir``."""
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} exists: checkpoints are never overwritten")
+    tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not tokenizer_files:
+        raise CheckpointError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        write(staging)
+        _stamp_dtype(staging / "config.json", dtype)
+        for file in tokenizer_files:
+            shutil.copy2(file, staging / file.name)
+        _fsync_tree(staging)
+        sha256 = weights_sha256(staging)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(path=out_dir, sha256=sha256)
+
+
 def export_checkpoint(
     model: PreTrainedModel,
     tokenizer_source_dir: Path,
@@ -106,30 +146,34 @@ def export_checkpoint(
     Raises:
         CheckpointError: ``out_dir`` exists, or the source folder holds no tokenizer file.
     """
-    out_dir, source = Path(out_dir), Path(tokenizer_source_dir)
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir} exists: checkpoints are never overwritten")
-    tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if not tokenizer_files:
-        raise CheckpointError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
     dtype = dtype or model.dtype
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
+
+    def write(staging: Path) -> None:
         state = {name: tensor.detach().to(device="cpu", dtype=dtype) for name, tensor in model.state_dict().items()}
         model.save_pretrained(staging, state_dict=state, safe_serialization=True)
-        config_path = staging / "config.json"
-        config = json.loads(config_path.read_text())
-        # The config describes the model as it trains; the files hold ``dtype`` (older readers, SGLang's
-        # among them, look for ``torch_dtype``).
-        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for file in tokenizer_files:
-            shutil.copy2(file, staging / file.name)
-        _fsync_tree(staging)
-        sha256 = weights_sha256(staging)
-        os.rename(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return ExportResult(path=out_dir, sha256=sha256)
+
+    return _write_atomically(Path(out_dir), Path(tokenizer_source_dir), dtype, write)
+
+
+def export_state_dict(
+    state: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, *, dtype: torch.dtype
+) -> ExportResult:
+    """Write HF-named tensors as a checkpoint like ``base_dir``: its config (and generation config) and
+    tokenizer, the weights in ``dtype`` (sharded with an index past 5 GB, as transformers does).
+
+    For trainers that hold weights in another layout (the megatron backend) and convert them back.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists, or ``base_dir`` holds no tokenizer file.
+    """
+    base_dir = Path(base_dir)
+
+    def write(staging: Path) -> None:
+        staging.mkdir()
+        tensors = {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in state.items()}
+        save_torch_state_dict(tensors, staging, max_shard_size="5GB")
+        for name in ("config.json", "generation_config.json"):
+            if (base_dir / name).is_file():
+                shutil.copy2(base_dir / name, staging / name)
+
+    return _write_atomically(Path(out_dir), base_dir, dtype, write)

@@ -1,0 +1,171 @@
+"""The Megatron backend's parallel and memory settings, checked when they are made.
+
+Pure data (no megatron-core import), so settings, ``TrainConfig`` and the training request can carry
+it. Two checks: ``MegatronConfig`` itself refuses combinations that can never run (sizes that do not
+divide the device count, sequence parallel without tensor parallel, CPU offload without the
+distributed optimizer...); ``check_model`` refuses sizes that do not fit a given model (heads,
+KV groups, layers, experts, vocabulary). Both report every problem at once.
+
+Role overrides: ``roles`` maps a role (``actor``, ``critic``, ``reference``) to field overrides, so
+a PPO critic can use another parallel layout or micro-batch size than the actor while sharing the
+rest; ``for_role`` resolves one, and every role is checked when the config is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+__all__ = ["ROLES", "AttentionKind", "MegatronConfig", "Recompute", "Role", "check_model"]
+
+Recompute = Literal["none", "selective", "full"]
+AttentionKind = Literal["sdpa", "local"]
+Role = Literal["actor", "critic", "reference"]
+ROLES: tuple[str, ...] = get_args(Role)
+_NOT_OVERRIDABLE = frozenset({"roles", "devices"})  # every role runs on the same processes
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronConfig:
+    """How the Megatron backend lays a model out over ``devices`` processes (one per GPU).
+
+    Data parallel size is ``devices / (tensor_parallel * pipeline_parallel * context_parallel)``;
+    experts are split ``expert_parallel`` ways (times tensor parallel) within each pipeline stage.
+
+    ``max_tokens_per_device``: the token cap of one micro-batch on one device (slime's
+    ``--max-tokens-per-gpu``); None: the train config's ``max_tokens_per_micro_batch``.
+    ``attention``: ``sdpa`` runs core attention through torch's ``scaled_dot_product_attention``
+    (fused kernels on GPU, packed samples); ``local`` is megatron-core's unfused ``DotProductAttention``
+    (padded batches only; kept as the reference the SDPA path is tested against).
+    """
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    recompute: Recompute = "none"
+    recompute_num_layers: int = 1  # with recompute="full": layers per recomputed chunk
+    bf16: bool = False
+    max_tokens_per_device: int | None = None
+    attention: AttentionKind = "sdpa"
+    devices: int = 1
+    roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        errors = self._errors()
+        for role, overrides in self.roles.items():
+            if role not in ROLES:
+                errors.append(f"unknown role {role!r} in roles (known: {', '.join(ROLES)})")
+                continue
+            unknown = sorted(set(overrides) - set(_overridable()))
+            if unknown:
+                errors.append(f"roles.{role}: cannot override {unknown} (overridable: {', '.join(_overridable())})")
+                continue
+            resolved = dataclasses.replace(self, **overrides, roles={})
+            errors += [f"roles.{role}: {e}" for e in resolved._errors()]
+        if errors:
+            raise ValueError("invalid megatron config: " + "; ".join(errors))
+
+    def _errors(self) -> list[str]:
+        errors = []
+        sizes = {
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
+            "devices": self.devices,
+            "recompute_num_layers": self.recompute_num_layers,
+        }
+        too_small = [f"{name}={value}" for name, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
+        if too_small:
+            return [f"sizes must be integers >= 1 ({', '.join(too_small)})"]
+        model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        if self.devices % model_parallel:
+            errors.append(
+                f"devices={self.devices} is not a multiple of tensor_parallel x pipeline_parallel x "
+                f"context_parallel = {self.tensor_parallel} x {self.pipeline_parallel} x "
+                f"{self.context_parallel} = {model_parallel}"
+            )
+        expert_group = self.expert_parallel * self.tensor_parallel * self.pipeline_parallel
+        if self.devices % expert_group:
+            errors.append(
+                f"devices={self.devices} is not a multiple of expert_parallel x tensor_parallel x "
+                f"pipeline_parallel = {expert_group} (experts are split within each pipeline stage)"
+            )
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            errors.append("sequence_parallel needs tensor_parallel > 1 (it splits the tensor-parallel activations)")
+        if self.context_parallel > 1 and importlib.util.find_spec("transformer_engine") is None:
+            errors.append(
+                "context_parallel > 1 needs TransformerEngine's attention (ring exchange of keys and values), "
+                "which is not installed; the sdpa and local attention paths see whole sequences"
+            )
+        elif self.context_parallel > 1:
+            errors.append("context_parallel > 1 is not wired to a TransformerEngine layer spec yet")
+        if self.optimizer_cpu_offload and not self.distributed_optimizer:
+            errors.append("optimizer_cpu_offload needs distributed_optimizer (megatron offloads the sharded state)")
+        if self.recompute not in get_args(Recompute):
+            errors.append(f"recompute must be one of {get_args(Recompute)}, got {self.recompute!r}")
+        if self.recompute != "full" and self.recompute_num_layers != 1:
+            errors.append("recompute_num_layers applies only to recompute='full'")
+        if self.max_tokens_per_device is not None and self.max_tokens_per_device < 1:
+            errors.append(f"max_tokens_per_device must be >= 1, got {self.max_tokens_per_device}")
+        if self.attention not in get_args(AttentionKind):
+            errors.append(f"attention must be one of {get_args(AttentionKind)}, got {self.attention!r}")
+        return errors
+
+    @property
+    def data_parallel(self) -> int:
+        return self.devices // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
+
+    def for_role(self, role: Role) -> MegatronConfig:
+        """This config with ``role``'s overrides applied (the shared settings when it has none)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+        return dataclasses.replace(self, **self.roles.get(role, {}), roles={})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["roles"] = {role: dict(overrides) for role, overrides in self.roles.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MegatronConfig:
+        """Build from plain data (settings, JSON), refusing unknown keys by name."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"invalid megatron config: unknown keys {unknown}")
+        return cls(**data)
+
+
+def _overridable() -> list[str]:
+    return [f.name for f in dataclasses.fields(MegatronConfig) if f.name not in _NOT_OVERRIDABLE]
+
+
+def check_model(config: MegatronConfig, hf_config: Any) -> None:
+    """Refuse a layout that does not fit the model ``hf_config`` describes (a transformers config).
+
+    Raises:
+        ValueError: every mismatch, e.g. attention heads not divisible by tensor_parallel.
+    """
+    tp, pp, ep = config.tensor_parallel, config.pipeline_parallel, config.expert_parallel
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    layers = hf_config.num_hidden_layers
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None) or 0
+    checks = [
+        (heads % tp == 0, f"num_attention_heads={heads} is not divisible by tensor_parallel={tp}"),
+        (groups % tp == 0, f"num_key_value_heads={groups} is not divisible by tensor_parallel={tp}"),
+        (hf_config.vocab_size % tp == 0, f"vocab_size={hf_config.vocab_size} is not divisible by tensor_parallel={tp}"),
+        (layers % pp == 0, f"num_hidden_layers={layers} is not divisible by pipeline_parallel={pp}"),
+        (ep == 1 or experts > 0, f"expert_parallel={ep} needs a mixture-of-experts model"),
+        (experts == 0 or experts % ep == 0, f"{experts} experts are not divisible by expert_parallel={ep}"),
+    ]
+    errors = [message for ok, message in checks if not ok]
+    if errors:
+        raise ValueError(f"megatron layout does not fit the model: {'; '.join(errors)}")

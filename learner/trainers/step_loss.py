@@ -1,0 +1,238 @@
+"""The policy loss of one packed micro-batch from its logits: the part every trainer backend shares.
+
+A backend turns a ``PackedMicroBatch`` into ``[T, V]`` logits its own way (a transformers model, a
+megatron-core ``GPTModel``) and hands them to ``micro_batch_loss``, which computes log-probs and
+entropy, lays advantages and old/behaviour log-probs onto the packed row, and calls the built-in
+policy loss (``learner.algorithms``) or a CUSTOM_LOSS plugin. ``prepare_step`` checks a step's inputs
+once. Every value is reduced with the whole step's sample and token counts, so micro-batch losses
+add up to the step's and gradients accumulate to the one big batch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.algorithms import (
+    broadcast_to_tokens,
+    entropy_from_logits,
+    grpo_advantages,
+    policy_loss_function,
+    reduce_masked,
+    reinforce_plus_plus_baseline_advantages,
+)
+from learner.batching import PackedMicroBatch, training_loss_mask
+from learner.plugins import HookKind, Plugin, load_plugin
+from learner.sample import Sample
+from learner.trainers.train_config import TrainConfig
+
+__all__ = [
+    "StepInputs",
+    "call_custom_loss",
+    "compute_advantages",
+    "micro_batch_loss",
+    "prepare_step",
+    "shifted",
+    "step_metrics",
+    "token_log_probs",
+]
+
+
+def shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Move per-position values one step right (the logits at t - 1 predict token t); 0 at sample starts."""
+    out = torch.cat([values.new_zeros(1), values[:-1]])
+    starts = cu_seqlens[:-1].long().to(values.device)
+    return out.index_fill(0, starts, 0.0)
+
+
+def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
+    """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits; 0 at sample starts."""
+    targets = batch.input_ids.to(logits.device).roll(-1)  # position t scores token t + 1
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    return shifted(log_probs, batch.cu_seqlens)
+
+
+def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor:
+    """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its own)."""
+    rewards = torch.tensor([s.reward_value(config.reward_key) for s in samples], dtype=torch.float32)
+    groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
+    if config.advantage_estimator == "grpo":
+        return grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
+    counts = torch.tensor([sum(training_loss_mask(s)) for s in samples], dtype=torch.float32)
+    return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=counts)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One step's checked inputs: per-sample advantages, old and behaviour log-probs, token count."""
+
+    advantages: Tensor  # [N]
+    old_log_probs: Sequence[Tensor | Sequence[float]] | None
+    behaviour: Sequence[Sequence[float] | None] | None  # the TIS denominators, with use_tis
+    num_tokens: int  # trained tokens over the whole step (token_mean's denominator)
+    custom: Plugin | None
+
+
+def prepare_step(
+    samples: Sequence[Sample],
+    config: TrainConfig,
+    *,
+    has_ref_model: bool,
+    old_log_probs: Sequence[Tensor] | None,
+    advantages: Tensor | None,
+) -> StepInputs:
+    """Check a step's inputs and fill in what was left to defaults (see ``torch_backend.train_step``).
+
+    Raises:
+        ValueError: no samples, a missing reference model or behaviour log-probs the config needs,
+            advantages of the wrong shape.
+    """
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    loss_config = config.loss
+    if loss_config.kl_loss_coef != 0 and not has_ref_model:
+        raise ValueError("kl_loss_coef != 0 needs a ref_model")
+    needs_behaviour = loss_config.use_tis or (config.use_rollout_logprobs and old_log_probs is None)
+    if needs_behaviour and any(s.rollout_log_probs is None for s in samples):
+        raise ValueError("use_tis / use_rollout_logprobs need rollout_log_probs on every sample")
+    if advantages is None:
+        advantages = compute_advantages(samples, config)
+    if advantages.shape != (len(samples),):
+        raise ValueError(f"advantages must have shape ({len(samples)},), got {tuple(advantages.shape)}")
+    old: Sequence[Tensor | Sequence[float]] | None = old_log_probs
+    if old is None and config.use_rollout_logprobs:
+        old = [torch.tensor(s.rollout_log_probs) for s in samples]
+    return StepInputs(
+        advantages=advantages,
+        old_log_probs=old,
+        behaviour=[s.rollout_log_probs for s in samples] if loss_config.use_tis else None,
+        num_tokens=sum(sum(training_loss_mask(s)) for s in samples),
+        custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
+    )
+
+
+def _packed_response_values(
+    samples: Sequence[Sample],
+    batch: PackedMicroBatch,
+    values: Sequence[Tensor | Sequence[float] | None] | None,
+    device: torch.device,
+) -> Tensor | None:
+    """Per-sample response values (``values[i]`` for ``samples[i]``) laid out on the packed row, 0 on prompts."""
+    if values is None:
+        return None
+    parts = []
+    for index in batch.sample_indices:
+        sample = samples[index]
+        parts += [torch.zeros(sample.prompt_length), torch.as_tensor(values[index], dtype=torch.float32)]
+    return torch.cat(parts).to(device)
+
+
+def call_custom_loss(
+    plugin: Plugin,
+    config: TrainConfig,
+    batch: dict[str, Tensor | None],
+    logits: Tensor,
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, dict[str, float]]:
+    """A CUSTOM_LOSS plugin's ``(loss, metrics)`` for one packed micro-batch, checked.
+
+    slime's contract ``(args, batch, logits, sum_of_sample_mean)``; here ``args`` is the ``TrainConfig``,
+    ``batch`` holds the packed row's per-token tensors (``input_ids``, ``position_ids``, ``cu_seqlens``,
+    ``loss_mask``, ``log_probs`` with gradient, ``old_log_probs``, ``advantages``, and
+    ``rollout_log_probs`` / ``ref_log_probs`` or None), ``logits`` is ``[T, V]``, and
+    ``sum_of_sample_mean`` reduces per-token values exactly as the built-in loss does over the whole
+    step (so micro-batch losses add up to the step's).
+
+    Raises:
+        PluginError: the result is not a scalar tensor and a dict of numbers.
+    """
+    result = plugin.call(config, batch, logits, sum_of_sample_mean)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise plugin.error(f"returned {type(result).__name__}, not (loss, metrics)")
+    loss, metrics = result
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not isinstance(metrics, dict):
+        raise plugin.error("returned a loss that is not a scalar tensor, or metrics that are not a dict")
+    return loss, {name: float(value) for name, value in metrics.items()}
+
+
+def micro_batch_loss(
+    config: TrainConfig,
+    inputs: StepInputs,
+    samples: Sequence[Sample],
+    batch: PackedMicroBatch,
+    logits: Tensor,
+    *,
+    ref_log_probs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts.
+
+    ``logits`` is ``[T, V]`` with gradient; ``ref_log_probs`` the frozen reference's ``[T]`` log-probs
+    when the KL loss is on.
+    """
+    loss_config = config.loss
+    device = logits.device
+    cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
+    log_probs = token_log_probs(logits, batch)
+    # Entropy is always reported (train/entropy_loss); it joins the graph only when it is in the loss.
+    with torch.set_grad_enabled(loss_config.entropy_coef != 0 and torch.is_grad_enabled()):
+        entropy = shifted(entropy_from_logits(logits), batch.cu_seqlens)
+    sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device)
+    token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
+    old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
+    rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
+    if inputs.custom is not None:
+        tensors = {
+            "input_ids": batch.input_ids.to(device),
+            "position_ids": batch.position_ids.to(device),
+            "cu_seqlens": cu_seqlens,
+            "loss_mask": loss_mask,
+            "log_probs": log_probs,
+            "old_log_probs": log_probs.detach() if old is None else old,
+            "advantages": token_advantages,
+            "rollout_log_probs": rollout,
+            "ref_log_probs": ref_log_probs,
+        }
+
+        def sum_of_sample_mean(values: Tensor) -> Tensor:
+            return reduce_masked(
+                values,
+                loss_mask,
+                loss_config.reduction,
+                num_samples=len(samples),
+                num_tokens=inputs.num_tokens,
+                cu_seqlens=cu_seqlens,
+            )
+
+        return call_custom_loss(inputs.custom, config, tensors, logits, sum_of_sample_mean)
+    result = policy_loss_function(
+        loss_config,
+        log_probs,
+        token_advantages,
+        loss_mask,
+        old_log_probs=old,
+        ref_log_probs=ref_log_probs,
+        rollout_log_probs=rollout,
+        entropy=entropy,
+        num_samples=len(samples),
+        num_tokens=inputs.num_tokens,
+        cu_seqlens=cu_seqlens,
+    )
+    return result.loss, result.metrics()
+
+
+def step_metrics(
+    samples: Sequence[Sample], totals: dict[str, float], grad_norm: float, elapsed: float
+) -> dict[str, float]:
+    """A step's reported metrics: the summed loss parts, the gradient norm, throughput and response lengths."""
+    tokens = sum(s.total_length for s in samples)
+    lengths = [s.response_length for s in samples]
+    return {
+        **totals,
+        "grad_norm": grad_norm,
+        "perf/tokens_per_sec": tokens / max(elapsed, 1e-9),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+    }

@@ -1,0 +1,61 @@
+"""What one training step is told, whichever backend runs it: ``TrainConfig`` and ``TrainingDiverged``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from learner.algorithms import PolicyLossConfig
+from learner.megatron.config import MegatronConfig
+from learner.plugins import HookKind, load_plugin
+
+__all__ = ["AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
+
+AdvantageEstimator = Literal["grpo", "reinforce_plus_plus_baseline"]
+Backend = Literal["torch", "megatron"]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss, gradient or weight: the step is refused and the model must not be exported."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """One training step's knobs (slime's flag names where they exist).
+
+    ``use_rollout_logprobs``: the PPO ratio's old log-probs are the behaviour log-probs logged at
+    serving time instead of the trainer's own (slime's ``--use-rollout-logprobs``; not with TIS).
+    ``backend``: ``torch`` (transformers model, one process) or ``megatron`` (megatron-core
+    ``GPTModel`` laid out by ``megatron``; docs/megatron.md). Both compute the same losses.
+    """
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage_estimator: AdvantageEstimator = "grpo"
+    grpo_std_normalization: bool = True
+    reward_key: str | None = None
+    max_tokens_per_micro_batch: int = 4096
+    clip_grad: float | None = 1.0  # slime's --clip-grad; None: no clipping (the norm is still reported)
+    use_rollout_logprobs: bool = False
+    custom_loss_path: str | None = None  # slime's --custom-loss-function-path (see ``custom_loss``)
+    backend: Backend = "torch"
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.megatron, Mapping):  # from JSON (``TrainingRequest.from_json``)
+            object.__setattr__(self, "megatron", MegatronConfig.from_dict(self.megatron))
+        errors = []
+        if self.advantage_estimator not in get_args(AdvantageEstimator):
+            errors.append(f"advantage_estimator must be one of {get_args(AdvantageEstimator)}")
+        if self.max_tokens_per_micro_batch < 1:
+            errors.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            errors.append(f"clip_grad must be > 0 or None, got {self.clip_grad}")
+        if self.use_rollout_logprobs and self.loss.use_tis:
+            errors.append("use_rollout_logprobs and use_tis exclude each other (TIS corrects the trainer's log-probs)")
+        if self.backend not in get_args(Backend):
+            errors.append(f"backend must be one of {get_args(Backend)}, got {self.backend!r}")
+        if errors:
+            raise ValueError("invalid train config: " + "; ".join(errors))
+        if self.custom_loss_path is not None:
+            load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
