@@ -1,4 +1,4 @@
-"""Reading completions back: one frozen view with choices, decoded tokens and feedback history."""
+"""Reading completions back: frozen views with choices, decoded tokens and feedback history."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, Select, select
 from sqlalchemy.orm import Session
 
 from storage.codec import decode_logprobs, decode_token_ids
@@ -83,21 +83,45 @@ def completion_tenant(session: Session, completion_id: str) -> str | None:
 
 def get_completion_view(session: Session, *, tenant_id: str, completion_id: str) -> CompletionView | None:
     """The completion as stored, or None if it does not exist or belongs to another tenant."""
-    row = session.execute(
+    views = completion_views(session, Completion.id == completion_id, Completion.tenant_id == tenant_id)
+    return views[0] if views else None
+
+
+def completion_views(session: Session, *where: ColumnElement[bool]) -> list[CompletionView]:
+    """Every completion matching ``where`` (conditions on ``Completion``'s columns), oldest first.
+
+    Four queries whatever the number of completions: the choices and feedback are read through a
+    subquery of the matching ids, never a list of bound ids (which databases cap).
+    """
+    matching = select(Completion.id).where(*where)
+    rows = session.execute(
         select(Completion, EndUser.external_id, ConversationSession.session_key)
         .outerjoin(EndUser, EndUser.id == Completion.end_user_id)
         .outerjoin(ConversationSession, ConversationSession.id == Completion.session_id)
-        .where(Completion.id == completion_id, Completion.tenant_id == tenant_id)
-    ).one_or_none()
-    if row is None:
-        return None
-    completion, end_user, session_key = row
-    choices = session.scalars(
+        .where(*where)
+        .order_by(Completion.created_at, Completion.id)
+    ).all()
+    choices: dict[str, list[CompletionChoice]] = {}
+    for choice in session.scalars(
         select(CompletionChoice)
-        .where(CompletionChoice.completion_id == completion_id)
-        .order_by(CompletionChoice.choice_index)
-    )
-    feedback = _feedback_by_choice(session, completion_id)
+        .where(CompletionChoice.completion_id.in_(matching))
+        .order_by(CompletionChoice.completion_id, CompletionChoice.choice_index)
+    ):
+        choices.setdefault(choice.completion_id, []).append(choice)
+    feedback = _feedback_by_choice(session, matching)
+    return [
+        _view(completion, end_user, session_key, choices.get(completion.id, []), feedback)
+        for completion, end_user, session_key in rows
+    ]
+
+
+def _view(
+    completion: Completion,
+    end_user: str | None,
+    session_key: str | None,
+    choices: list[CompletionChoice],
+    feedback: dict[tuple[str, int], FeedbackView],
+) -> CompletionView:
     return CompletionView(
         id=completion.id,
         tenant_id=completion.tenant_id,
@@ -130,22 +154,22 @@ def get_completion_view(session: Session, *, tenant_id: str, completion_id: str)
                 text=choice.text,
                 finish_reason=choice.finish_reason,
                 weight_versions=tuple(WeightSpan(**span) for span in choice.weight_versions),
-                feedback=feedback.get(choice.choice_index),
+                feedback=feedback.get((completion.id, choice.choice_index)),
             )
             for choice in choices
         ),
     )
 
 
-def _feedback_by_choice(session: Session, completion_id: str) -> dict[int, FeedbackView]:
-    history: dict[int, list[FeedbackEventView]] = {}
+def _feedback_by_choice(session: Session, completion_ids: Select[Any]) -> dict[tuple[str, int], FeedbackView]:
+    history: dict[tuple[str, int], list[FeedbackEventView]] = {}
     events = session.scalars(
         select(FeedbackEvent)
-        .where(FeedbackEvent.completion_id == completion_id)
+        .where(FeedbackEvent.completion_id.in_(completion_ids))
         .order_by(FeedbackEvent.created_at, FeedbackEvent.id)
     )
     for event in events:
-        history.setdefault(event.choice_index, []).append(
+        history.setdefault((event.completion_id, event.choice_index), []).append(
             FeedbackEventView(
                 id=event.id,
                 score=event.score,
@@ -155,9 +179,9 @@ def _feedback_by_choice(session: Session, completion_id: str) -> dict[int, Feedb
                 created_at=event.created_at,
             )
         )
-    current = session.scalars(select(Feedback).where(Feedback.completion_id == completion_id))
+    current = session.scalars(select(Feedback).where(Feedback.completion_id.in_(completion_ids)))
     return {
-        row.choice_index: FeedbackView(
+        (row.completion_id, row.choice_index): FeedbackView(
             score=row.score,
             rating=row.rating,
             comment=row.comment,
@@ -165,7 +189,7 @@ def _feedback_by_choice(session: Session, completion_id: str) -> dict[int, Feedb
             revision=row.revision,
             created_at=row.created_at,
             updated_at=row.updated_at,
-            history=tuple(history.get(row.choice_index, ())),
+            history=tuple(history.get((row.completion_id, row.choice_index), ())),
         )
         for row in current
     }

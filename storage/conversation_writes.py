@@ -15,6 +15,7 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from storage.codec import encode_logprobs, encode_token_ids
+from storage.data_deletions import drop_deleted, hold_off_deletions
 from storage.dialect_insert import dialect_insert
 from storage.models import (
     ApiKey,
@@ -44,9 +45,11 @@ def write_records(
 ) -> WriteResult:
     """Store new completions, then apply feedback events in order; already stored ones are skipped.
 
+    Completions of an end user deleted after they were made are dropped (``storage.data_deletions``).
     Feedback for a completion that is not stored (deleted, or never existed) is skipped and logged.
     """
-    new = _new_completions(session, completions)
+    hold_off_deletions(session)
+    new = drop_deleted(session, _new_completions(session, completions))
     tenant_ids = {rec.tenant_id for rec in new} | {rec.tenant_id for rec in feedback}
     now = utcnow()
     _insert_ignore(session, Tenant, [{"id": t, "name": t, "created_at": now} for t in tenant_ids])
