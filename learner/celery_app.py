@@ -10,24 +10,30 @@ goes back to the queue ``celery_visibility_timeout_s`` after it was delivered, s
 worker that was SIGKILLed runs again on another worker; rounds are idempotent (the watermark only
 moves when one succeeds), and a copy delivered while the first still runs finds the model's round
 lock held by a live worker and ends as "busy". The SQLite transport hides a delivered message
-instead of deleting it and never shows it again: a task whose worker dies is lost, which beat's next
-``learn_if_due`` makes up for (the feedback stays unconsumed). See docs/learner-pool.md.
+instead of deleting it and never shows it again: a task whose worker dies is lost; the feedback stays
+unconsumed, and the schedule's next firing learns from it. See docs/learner-pool.md.
+
+Beat runs ``learner.beat.DatabaseScheduler``: the training schedules stored in the database
+(docs/schedules.md), not a fixed ``beat_schedule``.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any, Literal
 
 from celery import Celery
 
 from tandem.settings import Settings
 
-__all__ = ["LEARN", "LEARN_IF_DUE", "QUEUE", "LearnerCelery", "broker_urls", "create_celery_app"]
+__all__ = ["LEARN", "QUEUE", "LearnerCelery", "Trigger", "broker_urls", "create_celery_app", "send_learn"]
 
 QUEUE = "tandem.learner"
 LEARN = "tandem.learn"
-LEARN_IF_DUE = "tandem.learn_if_due"
+BEAT_SCHEDULER = "learner.beat:DatabaseScheduler"
+
+Trigger = Literal["manual", "schedule"]
 
 
 class LearnerCelery(Celery):
@@ -54,7 +60,6 @@ def create_celery_app(settings: Settings, *, server_url: str | None = None) -> L
     broker, backend = broker_urls(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # SQLite and beat create files, not folders
     app = LearnerCelery(settings, server_url=server_url, include=["learner.tasks"])
-    interval = settings.learn_check_interval_s
     app.conf.update(
         broker_url=broker,
         result_backend=backend,
@@ -73,17 +78,28 @@ def create_celery_app(settings: Settings, *, server_url: str | None = None) -> L
         result_expires=timedelta(days=1),
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
-        beat_schedule={
-            "learn-if-due": {
-                "task": LEARN_IF_DUE,
-                "schedule": interval,
-                # Checks queued behind a long round are stale by the time it ends: drop them.
-                "options": {"expires": interval},
-            }
-        },
-        beat_schedule_filename=str(settings.data_dir / "celerybeat-schedule"),
+        beat_scheduler=BEAT_SCHEDULER,
+        beat_max_loop_interval=settings.learn_check_interval_s,
     )
     return app
+
+
+def send_learn(
+    app: Celery,
+    *,
+    task_id: str,
+    trigger: Trigger,
+    schedule_id: str | None = None,
+    round_settings: Mapping[str, Any] | None = None,
+    expires: datetime | None = None,
+    producer: Any = None,
+) -> None:
+    """Send ``tandem.learn``: a round with the schedule's round settings over the worker's settings.
+
+    ``expires``: a worker drops the task when it arrives later (a firing superseded by the next one).
+    """
+    kwargs = {"schedule_id": schedule_id, "round_settings": dict(round_settings or {}), "trigger": trigger}
+    app.send_task(LEARN, kwargs=kwargs, task_id=task_id, expires=expires, producer=producer)
 
 
 def _transport_options(settings: Settings) -> dict[str, Any]:

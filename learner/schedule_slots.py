@@ -47,6 +47,7 @@ __all__ = [
 ScheduleKind = Literal["cron", "interval", "feedback"]
 FEEDBACK_RETRY_S = 60.0  # a feedback firing whose round failed or never ran is repeated after this
 MAX_SCAN = 1000  # slots looked at past quiet hours before deciding that a schedule never fires
+MIN_TASK_TTL_S = 1.0
 _HH_MM = re.compile(r"^([01]\d|2[0-3]):[0-5]\d$")
 _KIND_FIELDS: dict[str, tuple[str, ...]] = {  # the optional fields each kind may set
     "cron": ("cron",),
@@ -166,8 +167,10 @@ def due_slot(timing: Timing, now: datetime, feedback: FeedbackState | None = Non
     at = _latest_slot(timing, now)
     if at is None or at < timing.since or in_quiet_hours(timing, at):
         return None
-    following = _slot_after(timing, at)
-    return Slot(key=at.strftime("%Y-%m-%dT%H:%M:%SZ"), at=at, expires_at=following or at + timedelta(days=366))
+    # Stale once the next slot is due (a late firing's too), and never before it could be sent.
+    following = _slot_after(timing, now) or now + timedelta(days=366)
+    expires_at = max(following, now + timedelta(seconds=MIN_TASK_TTL_S))
+    return Slot(key=at.strftime("%Y-%m-%dT%H:%M:%SZ"), at=at, expires_at=expires_at)
 
 
 def _feedback_slot(timing: Timing, now: datetime, state: FeedbackState) -> Slot | None:

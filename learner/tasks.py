@@ -1,68 +1,71 @@
-"""The learner pool's Celery tasks: ``tandem.learn`` (a round now) and ``tandem.learn_if_due`` (beat's check).
+"""The learner pool's Celery task ``tandem.learn``: one round now.
 
-Both run against the server of the worker that executes them (``tandem worker --server``), with the
-worker's settings, and return a JSON-able summary (``status`` first):
+It runs against the server of the worker that executes it (``tandem worker --server``), with the
+worker's settings and, when a schedule sent it, the schedule's round settings on top
+(``learner.round_overrides``). The round's row records its trigger ("schedule" for a beat's firing,
+"manual" for a round sent by hand or by the admin API's run-now) and the schedule's id. It returns a
+JSON-able summary, ``status`` first:
 
 - ``succeeded`` / ``nothing_to_learn`` / ``failed``: a round ran (round id, version, samples,
   watermarks, seconds per stage, error);
-- ``busy``: another round of the model runs on a live worker (not an error: rounds are serialised);
-- ``not_due`` (``learn_if_due`` only): too little new feedback, or too soon after the last round;
-- ``server_unavailable`` (``learn_if_due`` only): the server did not answer; the next check retries.
+- ``busy``: another round of the model runs on a live worker (not an error: rounds are serialised).
 
-A server that cannot be reached fails a ``learn`` task (RoundError).
+A server that cannot be reached fails the task (RoundError). When rounds are due is beat's business
+(``learner.beat``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from celery import Task, shared_task
 from sqlalchemy.orm import Session, sessionmaker
 
-from learner.celery_app import LEARN, LEARN_IF_DUE, LearnerCelery
+from learner.celery_app import LEARN, LearnerCelery, Trigger
 from learner.round import RoundError, RoundResult, run_round
+from learner.round_overrides import with_round_settings
 from learner.round_settings import round_config
-from storage import (
-    RoundBusyError,
-    TrainingRoundView,
-    count_feedback_since,
-    fail_stale_rounds,
-    last_watermark,
-    list_rounds,
-    make_engine,
-    make_session_factory,
-)
-from storage.times import utcnow
+from storage import RoundBusyError, fail_stale_rounds, list_rounds, make_engine, make_session_factory
 from tandem.settings import Settings
 
-__all__ = ["learn", "learn_if_due", "learn_if_due_now", "learn_now"]
+__all__ = ["learn", "learn_now"]
 
 log = logging.getLogger(__name__)
 
-Trigger = Literal["manual", "schedule"]
-
 
 @shared_task(bind=True, name=LEARN)
-def learn(self: Task) -> dict[str, Any]:
-    """Run one round now (trigger "manual")."""
+def learn(
+    self: Task,
+    schedule_id: str | None = None,
+    round_settings: Mapping[str, Any] | None = None,
+    trigger: Trigger | None = None,
+) -> dict[str, Any]:
+    """Run one round now; a schedule's firing names the schedule and carries its round settings."""
     settings, server_url, admin_key = _worker_context(self)
-    return learn_now(settings, server_url=server_url, admin_key=admin_key)
+    return learn_now(
+        with_round_settings(settings, round_settings or {}),
+        server_url=server_url,
+        admin_key=admin_key,
+        trigger=trigger or ("schedule" if schedule_id else "manual"),
+        schedule_id=schedule_id,
+    )
 
 
-@shared_task(bind=True, name=LEARN_IF_DUE)
-def learn_if_due(self: Task) -> dict[str, Any]:
-    """Run a scheduled round when enough new feedback arrived and the last round is old enough."""
-    settings, server_url, admin_key = _worker_context(self)
-    return learn_if_due_now(settings, server_url=server_url, admin_key=admin_key)
-
-
-def learn_now(settings: Settings, *, server_url: str, admin_key: str) -> dict[str, Any]:
-    """One manual round; when the model's lock is held, wait to see whether its holder is alive.
+def learn_now(
+    settings: Settings,
+    *,
+    server_url: str,
+    admin_key: str,
+    trigger: Trigger = "manual",
+    schedule_id: str | None = None,
+) -> dict[str, Any]:
+    """One round; when the model's lock is held, wait to see whether its holder is alive.
 
     A task redelivered because its worker died can arrive before that worker's round is stale: it
     waits for the round to go stale (then fails it and runs) or to heartbeat (then answers "busy").
@@ -71,10 +74,14 @@ def learn_now(settings: Settings, *, server_url: str, admin_key: str) -> dict[st
         RoundError: the server cannot be reached or refused the admin key.
     """
     sessions, dispose = _sessions(settings)
+
+    def run() -> dict[str, Any]:
+        return _run(settings, server_url, admin_key, trigger, schedule_id)
+
     try:
         _fail_stale(sessions, settings)
         try:
-            return _run(settings, server_url, admin_key, "manual")
+            return run()
         except RoundError as exc:
             if not isinstance(exc.__cause__, RoundBusyError):
                 raise
@@ -82,58 +89,13 @@ def learn_now(settings: Settings, *, server_url: str, admin_key: str) -> dict[st
             if not _lock_holder_died(sessions, settings, model):
                 return _busy(exc)
         try:
-            return _run(settings, server_url, admin_key, "manual")
+            return run()
         except RoundError as exc:
             if isinstance(exc.__cause__, RoundBusyError):  # another worker took the freed lock first
                 return _busy(exc)
             raise
     finally:
         dispose()
-
-
-def learn_if_due_now(settings: Settings, *, server_url: str, admin_key: str) -> dict[str, Any]:
-    """Beat's check: a round (trigger "schedule") when ``learn_min_feedback`` new rated answers arrived
-    since the model's watermark and ``learn_min_interval_s`` passed since the last round started.
-
-    A server that cannot be reached (restarting, say) is logged and answered ``server_unavailable``:
-    the next check tries again.
-    """
-    try:
-        model = serving_model(server_url, admin_key)
-    except RoundError as exc:
-        log.warning("learn_if_due: the server is unavailable", extra={"server": server_url, "reason": str(exc)})
-        return {"status": "server_unavailable", "error": str(exc)}
-    sessions, dispose = _sessions(settings)
-    try:
-        _fail_stale(sessions, settings)
-        with sessions() as session:
-            new = count_feedback_since(session, model=model, since=last_watermark(session, model=model))
-            latest = list_rounds(session, model=model, limit=1)
-    finally:
-        dispose()
-    reason = _not_due_reason(settings, new, latest[0] if latest else None)
-    if reason is not None:
-        log.debug("learn_if_due: not due", extra={"model": model, "new_feedback": new, "reason": reason})
-        return {"status": "not_due", "model": model, "new_feedback": new, "reason": reason}
-    try:
-        return _run(settings, server_url, admin_key, "schedule")
-    except RoundError as exc:
-        if isinstance(exc.__cause__, RoundBusyError):
-            return _busy(exc)
-        raise
-
-
-def _not_due_reason(settings: Settings, new_feedback: int, latest: TrainingRoundView | None) -> str | None:
-    if new_feedback < settings.learn_min_feedback:
-        return f"{new_feedback} of {settings.learn_min_feedback} rated answers"
-    if latest is None:
-        return None
-    if latest.status in ("queued", "running"):
-        return f"round {latest.id} is {latest.status}"
-    elapsed = (utcnow() - (latest.started_at or latest.created_at)).total_seconds()
-    if elapsed < settings.learn_min_interval_s:
-        return f"the last round started {elapsed:.0f} s ago"
-    return None
 
 
 def serving_model(server_url: str, admin_key: str, timeout_s: float = 30.0) -> str:
@@ -168,12 +130,15 @@ def summary(result: RoundResult) -> dict[str, Any]:
     }
 
 
-def _run(settings: Settings, server_url: str, admin_key: str, trigger: Trigger) -> dict[str, Any]:
+def _run(
+    settings: Settings, server_url: str, admin_key: str, trigger: Trigger, schedule_id: str | None
+) -> dict[str, Any]:
     config = round_config(settings, server_url=server_url, admin_key=admin_key, trigger=trigger)
-    log.info("round starting", extra={"trigger": trigger, "server": server_url})
+    config = dataclasses.replace(config, schedule_id=schedule_id)
+    log.info("round starting", extra={"trigger": trigger, "schedule_id": schedule_id, "server": server_url})
     done = summary(run_round(config))
     level = logging.WARNING if done["status"] == "failed" else logging.INFO
-    log.log(level, "round ended", extra={"trigger": trigger, **done})
+    log.log(level, "round ended", extra={"trigger": trigger, "schedule_id": schedule_id, **done})
     return done
 
 

@@ -14,7 +14,7 @@ from tandem.commands.engines import engines_app
 from tandem.commands.keys import keys_app
 from tandem.commands.learn import learn_command
 from tandem.commands.replay import replay_command
-from tandem.commands.worker import worker_command
+from tandem.commands.worker import beat_command, worker_command
 from tandem.logging import configure_logging
 from tandem.settings import Settings
 
@@ -25,6 +25,7 @@ app.add_typer(engines_app, name="engines", help="Managed engine groups: validate
 app.command("learn")(learn_command)
 app.command("replay")(replay_command)
 app.command("worker")(worker_command)
+app.command("beat")(beat_command)
 
 Host = Annotated[str | None, typer.Option(help="Address to bind [TANDEM_HOST].")]
 Port = Annotated[int | None, typer.Option(help="Port to bind [TANDEM_PORT].")]

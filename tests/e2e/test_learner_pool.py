@@ -26,9 +26,12 @@ import pytest
 import redis
 import torch
 
-from learner.celery_app import LEARN, LEARN_IF_DUE, LearnerCelery, create_celery_app
+from learner.beat import DEFAULT_SCHEDULE
+from learner.celery_app import LEARN, LearnerCelery, create_celery_app, send_learn
 from learner.tasks import learn_now
 from storage import finish_round, get_round, heartbeat_round, last_watermark, list_rounds, list_versions, start_round
+from storage.audit import list_admin_actions
+from storage.schedules import ScheduleView, list_firings, list_schedules
 from tandem.settings import Settings
 from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
@@ -203,35 +206,65 @@ def test_learn_task_runs_a_round_and_the_server_serves_it(
     assert weight_version(gateway.url) == result["version_id"]
 
 
-def test_learn_if_due_waits_for_enough_feedback_and_the_interval(
+def test_the_default_schedule_waits_for_enough_feedback_and_the_interval(
     gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
 ) -> None:
     env = learner_env(gateway, tmp_path / "learner", redis_prefix, TANDEM_LEARN_MIN_INTERVAL_S="600")
     workers(env, gateway.url, "--beat")
-    app = sender(env)
-    chat_and_rate(gateway, [("Name a colour.", "up"), ("Name a fruit.", "down")])
+    sessions = gateway.sessions()
 
-    not_yet = app.send_task(LEARN_IF_DUE).get(timeout=TASK_TIMEOUT_S)
-    assert not_yet["status"] == "not_due" and not_yet["new_feedback"] == 2, not_yet
-    time.sleep(2)  # two more of beat's checks, which must not start a round either
-    with gateway.sessions()() as session:
+    def default_schedule() -> ScheduleView | None:
+        with sessions() as session:
+            return next((s for s in list_schedules(session) if s.name == DEFAULT_SCHEDULE), None)
+
+    wait_for(default_schedule, 30, "beat to create the default schedule")
+    default = default_schedule()
+    assert default is not None and (default.kind, default.min_feedback, default.interval_s) == ("feedback", 3, 600)
+    with sessions() as session:
+        (created,) = list_admin_actions(session, action="schedule.create")
+    assert created.target == default.id and created.actor.startswith("beat:") and created.status_code == 201
+
+    chat_and_rate(gateway, [("Name a colour.", "up"), ("Name a fruit.", "down")])
+    time.sleep(2.5)  # two more of beat's ticks, which must not fire with two of three ratings
+    with sessions() as session:
         assert list_rounds(session, model=gateway.model) == ()
+        assert list_firings(session, schedule_id=default.id) == ()
     assert weight_version(gateway.url) == "default"
 
     chat_and_rate(gateway, [("Name a tree.", "up")])
-    wait_for(lambda: weight_version(gateway.url) != "default", TASK_TIMEOUT_S, "beat's round to roll out")
-    with gateway.sessions()() as session:
+    wait_for(lambda: weight_version(gateway.url) != "default", TASK_TIMEOUT_S, "the schedule's round to roll out")
+    with sessions() as session:
         (round_row,) = list_rounds(session, model=gateway.model)
-    assert round_row.status == "succeeded" and round_row.trigger == "schedule"
+        (firing,) = list_firings(session, schedule_id=default.id)
+    assert round_row.status == "succeeded" and round_row.trigger == "schedule" and round_row.schedule_id == default.id
     assert round_row.samples_trained == 3 and round_row.produced_version_id == weight_version(gateway.url)
+    assert firing.slot == "feedback:0:0"
 
-    # Enough feedback again, but the last round started less than learn_min_interval_s ago.
+    # Enough feedback again, but the schedule fired less than its interval_s ago.
     chat_and_rate(gateway, [("One.", "up"), ("Two.", "down"), ("Three.", "up")])
-    too_soon = app.send_task(LEARN_IF_DUE).get(timeout=TASK_TIMEOUT_S)
-    assert too_soon["status"] == "not_due" and too_soon["new_feedback"] == 3
-    assert "last round started" in too_soon["reason"]
-    with gateway.sessions()() as session:
+    time.sleep(2.5)
+    with sessions() as session:
         assert len(list_rounds(session, model=gateway.model)) == 1
+        assert len(list_firings(session, schedule_id=default.id)) == 1
+
+
+def test_a_schedules_round_settings_reach_its_round(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    env = learner_env(gateway, tmp_path / "learner", redis_prefix)
+    workers(env, gateway.url)
+    chat_and_rate(gateway, [("Is it raining?", "up"), ("Is it snowing?", "down")])
+    app = sender(env)
+    overrides = {"learning_rate": LEARNING_RATE / 2, "steps": 2}
+
+    send_learn(app, task_id="scheduled-1", trigger="schedule", schedule_id="sched_x", round_settings=overrides)
+    result = app.AsyncResult("scheduled-1").get(timeout=TASK_TIMEOUT_S)
+
+    assert result["status"] == "succeeded", result
+    with gateway.sessions()() as session:
+        round_row = get_round(session, round_id=result["round_id"])
+    assert (round_row.trigger, round_row.schedule_id) == ("schedule", "sched_x")
+    assert round_row.config["learning_rate"] == LEARNING_RATE / 2 and round_row.config["num_steps"] == 2
 
 
 def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(

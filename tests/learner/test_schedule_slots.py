@@ -35,6 +35,10 @@ def test_interval_slots_are_epoch_multiples_and_only_the_latest_is_due() -> None
     assert late is not None and late.key == "2026-12-03T20:00:00Z"
     assert due_slot(every_15_min, at("2026-12-03T20:15:00+00:00")).key == "2026-12-03T20:15:00Z"  # type: ignore[union-attr]
     assert next_fire_at(every_15_min, at("2026-12-03T20:15:00+00:00")) == at("2026-12-03T20:30:00+00:00")
+    # A firing is never stale before it could be sent, however close the next slot.
+    every_second = Timing(kind="interval", interval_s=1, since=CREATED)
+    brief = due_slot(every_second, at("2026-12-03T10:00:00.999+00:00"))
+    assert brief is not None and brief.expires_at == at("2026-12-03T10:00:01.999+00:00")
 
 
 def test_no_slot_from_before_the_last_edit_fires() -> None:
