@@ -337,8 +337,13 @@ class ChatService:
         request = call.request
         completion_tokens = sum(len(s.token_ids) for s in call.states)
         replica = first.replica or self.engine.replica
+        ttft_ms = None if call.first_token_at is None else (call.first_token_at - call.started) * 1000
         call.log_fields.update(
-            completion_tokens=completion_tokens, cached_tokens=first.cached_tokens, outcome=status, replica=replica
+            completion_tokens=completion_tokens,
+            cached_tokens=first.cached_tokens,
+            ttft_ms=ttft_ms,
+            outcome=status,
+            replica=replica,
         )
         return CompletionRecord(
             id=call.id,
@@ -354,7 +359,7 @@ class ChatService:
             cached_tokens=first.cached_tokens,
             completion_tokens=completion_tokens,
             latency_ms=(now - call.started) * 1000,
-            ttft_ms=None if call.first_token_at is None else (call.first_token_at - call.started) * 1000,
+            ttft_ms=ttft_ms,
             created_at=call.created_at,
             finished_at=time.time(),
             stream=request.stream,

@@ -1,8 +1,8 @@
 """The gateway's Prometheus metrics: what it counts as requests pass, and GET /metrics.
 
 Counted as they happen (since the process started): HTTP requests and their latency per route,
-prompt/completion/cached tokens per replica (from the fields a handler leaves for the request log),
-weight swaps and their duration. Read when scraped: each replica's health and in-flight requests,
+chat completions, prompt/completion/cached tokens and time to first token per replica (from the
+fields a handler leaves for the request log), weight swaps and their duration. Read when scraped: each replica's health and in-flight requests,
 and the training rounds in the database (so every gateway reports the same rounds).
 """
 
@@ -22,6 +22,7 @@ from server.prometheus import Counter, Histogram, Labels, gauge, render
 from storage.round_stats import RoundTiming, round_timings
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SWAP_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ROUND_BUCKETS_S = (10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 UNMATCHED = "unmatched"  # requests no route answered: one label, so odd paths cannot blow up the series
@@ -41,6 +42,11 @@ class GatewayMetrics:
         self.cached_tokens = Counter(
             "tandem_cached_tokens", "Prompt tokens the engines found in their prefix cache, by replica."
         )
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Time from request to the first generated token of chat completions, by replica.",
+            TTFT_BUCKETS_S,
+        )
         self.swaps = Counter("tandem_weight_swaps", "Weight rollouts over all replicas that succeeded.")
         self.swap_duration = Histogram(
             "tandem_weight_swap_duration_seconds", "Time to load new weights into every replica.", SWAP_BUCKETS_S
@@ -55,6 +61,8 @@ class GatewayMetrics:
         self.prompt_tokens.inc(fields.get("prompt_tokens", 0), replica=replica)
         self.completion_tokens.inc(fields["completion_tokens"], replica=replica)
         self.cached_tokens.inc(fields.get("cached_tokens", 0), replica=replica)
+        if fields.get("ttft_ms") is not None:  # None: no token came (cancelled or failed before one)
+            self.ttft.observe(fields["ttft_ms"] / 1000, replica=replica)
 
     def observe_swap(self, seconds: float) -> None:
         self.swaps.inc()
@@ -135,6 +143,7 @@ async def scrape(metrics: GatewayMetrics, engine: Engine, sessions: sessionmaker
         metrics.prompt_tokens.render(),
         metrics.completion_tokens.render(),
         metrics.cached_tokens.render(),
+        metrics.ttft.render(),
         metrics.swaps.render(),
         metrics.swap_duration.render(),
         gauge(

@@ -19,8 +19,9 @@ from server.engines.sglang_server import create_engine_app
 from server.router.affinity import HashRing
 from storage.audit import list_admin_actions
 from tests.admin.test_metrics import parse
-from tests.fixtures.tiny_model import tiny_model_path
+from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support.open_streams import streams_in_progress
 from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -149,7 +150,13 @@ def test_lists_every_replica_with_health_weights_and_load(pool_gateway: Gateway)
             model=pool_gateway.model, messages=[{"role": "user", "content": "cache me"}], max_tokens=2, user="cacher"
         )
     home = next(HashRing(list(replicas)).walk("cacher"))
-    assert 0 < engines(pool_gateway)[home]["cache_hit_ratio"] <= 1
+    ratio = engines(pool_gateway)[home]["cache_hit_ratio"]
+    samples, _ = parse(httpx.get(f"{pool_gateway.url}/metrics", headers=ADMIN).text)
+    tokens = {
+        name: samples[(name, (("replica", home),))]
+        for name in ("tandem_cached_tokens_total", "tandem_prompt_tokens_total")
+    }
+    assert 0 < ratio == tokens["tandem_cached_tokens_total"] / tokens["tandem_prompt_tokens_total"] <= 1
     one = httpx.get(f"{pool_gateway.url}/admin/engines/{home}", headers=ADMIN)
     assert one.status_code == 200 and one.json()["id"] == home
 
@@ -226,3 +233,32 @@ def test_the_local_engine_is_one_replica_that_cannot_be_drained(local_gateway: G
     refused = post(local_gateway, "local-0", "drain")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "cannot_drain"
     assert post(local_gateway, "other", "drain").status_code == 404
+
+
+def test_load_cache_hits_and_weight_version_follow_traffic_and_a_swap(local_gateway: Gateway, tmp_path: Path) -> None:
+    before = engines(local_gateway)["local-0"]
+    assert (before["in_flight"], before["cache_hit_ratio"], before["weight_version"]) == (0, None, "default")
+    with streams_in_progress(local_gateway.url, local_gateway.keys["acme"], local_gateway.model, count=3):
+        assert engines(local_gateway)["local-0"]["in_flight"] == 3
+    client = local_gateway.client(local_gateway.keys["acme"])
+    usages = [
+        client.chat.completions.create(
+            model=local_gateway.model, messages=[{"role": "user", "content": "cache me"}], max_tokens=2, user="cacher"
+        ).usage
+        for _ in range(2)
+    ]
+    model = perturb_weights(tiny_model_path(), tmp_path / "perturbed")
+    swap = httpx.post(
+        f"{local_gateway.url}/admin/weights",
+        json={"model_path": str(model), "weight_version": "engines-v1"},
+        headers=ADMIN,
+        timeout=120,
+    )
+    assert swap.status_code == 200, swap.text
+
+    after = engines(local_gateway)["local-0"]
+    assert after["weight_version"] == "engines-v1"
+    assert after["in_flight"] == 0  # the cancelled streams left the engine
+    assert usages[1] is not None and usages[1].prompt_tokens_details is not None
+    assert usages[1].prompt_tokens_details.cached_tokens  # the second turn found the first one's prefix
+    assert 0 < after["cache_hit_ratio"] < 1

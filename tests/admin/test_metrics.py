@@ -1,23 +1,30 @@
 """GET /metrics on a live gateway (local engine, tiny model, SQLite): scraped and parsed after real
-requests, a real weight swap and real round rows."""
+requests, requests held mid-generation, a real weight swap and real round rows; and on a pool of two
+real engine servers, one drained and one stopped. Every family the admin API promises is asserted by
+name, each with a value that changed."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from sqlalchemy.exc import OperationalError
 
+from server.engines.local.engine import LocalEngine
+from server.engines.sglang_server import create_engine_app
 from storage.db import make_engine, make_session_factory
 from storage.rounds import finish_round, start_round
 from storage.times import utcnow
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support.open_streams import streams_in_progress
+from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = (("method", "POST"), ("route", "/v1/chat/completions"))
@@ -25,6 +32,27 @@ SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+LOCAL = (("replica", "local-0"),)
+
+# What the issue asks /metrics for: requests, latency histograms, tokens in and out, cached tokens,
+# queue depth, engine health, swap count and duration, rounds and their durations.
+FAMILIES = {
+    "tandem_http_requests_total": "counter",
+    "tandem_http_request_duration_seconds": "histogram",
+    "tandem_time_to_first_token_seconds": "histogram",
+    "tandem_completions_total": "counter",
+    "tandem_prompt_tokens_total": "counter",
+    "tandem_completion_tokens_total": "counter",
+    "tandem_cached_tokens_total": "counter",
+    "tandem_engine_in_flight": "gauge",
+    "tandem_engine_healthy": "gauge",
+    "tandem_engine_drained": "gauge",
+    "tandem_weight_swaps_total": "counter",
+    "tandem_weight_swap_duration_seconds": "histogram",
+    "tandem_rounds": "gauge",
+    "tandem_round_duration_seconds": "histogram",
+    "tandem_database_up": "gauge",
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +150,21 @@ def test_counters_rise_by_exactly_the_requests_made(gateway: Gateway) -> None:
     assert counts[-1] == after[count_key]
     assert after[("tandem_http_request_duration_seconds_sum", CHAT)] > 0
 
-    replica = (("replica", "local-0"),)
+    replica = LOCAL
     completions = ("tandem_completions_total", replica)
     assert after[completions] - before.get(completions, 0) == 5
+    # Every one of the five produced a token: each has its time to first token, within its latency.
+    ttft_count, ttft_sum = (f"tandem_time_to_first_token_seconds_{part}" for part in ("count", "sum"))
+    assert after[(ttft_count, replica)] - before.get((ttft_count, replica), 0) == 5
+    ttft_rise = after[(ttft_sum, replica)] - before.get((ttft_sum, replica), 0)
+    latency_rise = after[("tandem_http_request_duration_seconds_sum", CHAT)] - before.get(
+        ("tandem_http_request_duration_seconds_sum", CHAT), 0
+    )
+    assert 0 < ttft_rise < latency_rise
+    assert buckets(after, "tandem_time_to_first_token_seconds", replica)[-1] == (
+        float("inf"),
+        after[(ttft_count, replica)],
+    )
     for metric, attribute in (
         ("tandem_prompt_tokens_total", "prompt_tokens"),
         ("tandem_completion_tokens_total", "completion_tokens"),
@@ -138,10 +178,18 @@ def test_counters_rise_by_exactly_the_requests_made(gateway: Gateway) -> None:
         == cached
     )
 
-    assert after[("tandem_engine_healthy", replica)] == 1
-    assert after[("tandem_engine_drained", replica)] == 0
-    assert after[("tandem_engine_in_flight", replica)] == 0  # nothing running between requests
     assert after[("tandem_database_up", ())] == 1
+
+
+def test_queue_depth_counts_the_requests_in_progress(gateway: Gateway) -> None:
+    depth = ("tandem_engine_in_flight", LOCAL)
+    assert scrape(gateway)[0][depth] == 0
+    with streams_in_progress(gateway.url, gateway.keys["acme"], gateway.model, count=2):
+        assert scrape(gateway)[0][depth] == 2
+    deadline = time.monotonic() + 30
+    while scrape(gateway)[0][depth]:  # the client went away: the engine drops them at its next step
+        assert time.monotonic() < deadline, "cancelled requests stayed in flight"
+        time.sleep(0.05)
 
 
 def test_a_weight_swap_is_counted_with_its_duration(gateway: Gateway, tmp_path: Path) -> None:
@@ -182,15 +230,11 @@ def record_rounds(database_url: str) -> None:
 
 
 def test_rounds_come_from_the_database(gateway: Gateway) -> None:
-    for attempt in range(5):
-        try:  # the gateway's log commits meanwhile; SQLite then refuses a read-then-write at once
-            record_rounds(gateway.settings.resolved_database_url)
-            break
-        except OperationalError:
-            if attempt == 4:
-                raise
-    samples, types = scrape(gateway)
     model = ("model", "m-metrics")
+    before, _ = scrape(gateway)
+    assert not [key for key in before if model in key[1]]
+    record_rounds(gateway.settings.resolved_database_url)
+    samples, types = scrape(gateway)
     assert types["tandem_rounds"] == "gauge"
     assert samples[("tandem_rounds", (model, ("status", "succeeded")))] == 2
     assert samples[("tandem_rounds", (model, ("status", "failed")))] == 1
@@ -200,3 +244,61 @@ def test_rounds_come_from_the_database(gateway: Gateway) -> None:
     assert samples[("tandem_round_duration_seconds_sum", succeeded)] == pytest.approx(445)
     series = dict(buckets(samples, "tandem_round_duration_seconds", succeeded))
     assert series[30.0] == 0 and series[60.0] == 1 and series[300.0] == 1 and series[600.0] == 2
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, dict[str, ExitStack]]]:
+    """A gateway over two real engine servers, by URL (the replica's name); closing its stack stops one."""
+    model = tiny_model_path()
+    servers = [ExitStack() for _ in range(2)]
+    with ExitStack() as stack:
+        for server in servers:
+            stack.push(server)  # stopped last, if the test did not stop it
+        urls = [
+            server.enter_context(
+                serve_in_thread(create_engine_app(lambda: LocalEngine.open(model, torch_threads=1, max_batch_size=4)))
+            )
+            for server in servers
+        ]
+        settings = gateway_settings(
+            tmp_path_factory.mktemp("metrics-pool"),
+            model,
+            admin_key=ADMIN_KEY,
+            engine="sglang",
+            engine_urls=urls,
+            health_interval_s=0.2,
+            healthy_after=1,
+        )
+        yield stack.enter_context(run_gateway(settings, tenants=("acme",))), dict(zip(urls, servers, strict=True))
+
+
+def healthy(samples: Samples, replica: str) -> float:
+    return samples[("tandem_engine_healthy", (("replica", replica),))]
+
+
+def drained(samples: Samples, replica: str) -> float:
+    return samples[("tandem_engine_drained", (("replica", replica),))]
+
+
+def test_engine_health_and_drain_follow_the_pool(pool: tuple[Gateway, dict[str, ExitStack]]) -> None:
+    gateway, servers = pool
+    names = list(servers)
+    before, _ = scrape(gateway)
+    assert [(healthy(before, n), drained(before, n)) for n in names] == [(1, 0), (1, 0)]
+
+    assert httpx.post(f"{gateway.url}/admin/engines/{names[1]}/drain", headers=ADMIN).status_code == 200
+    assert [drained(scrape(gateway)[0], n) for n in names] == [0, 1]
+    assert httpx.post(f"{gateway.url}/admin/engines/{names[1]}/undrain", headers=ADMIN).status_code == 200
+    assert [drained(scrape(gateway)[0], n) for n in names] == [0, 0]
+
+    servers[names[0]].close()  # the first engine server stops: its next health probe fails
+    deadline = time.monotonic() + 30
+    while healthy(scrape(gateway)[0], names[0]):
+        assert time.monotonic() < deadline, "a stopped replica stayed healthy"
+        time.sleep(0.1)
+    assert healthy(scrape(gateway)[0], names[1]) == 1
+
+
+def test_every_promised_family_is_declared(gateway: Gateway) -> None:
+    """Each by name and type, series or not yet (the tests above assert a change of each one's value)."""
+    assert {name: scrape(gateway)[1].get(name) for name in FAMILIES} == FAMILIES
