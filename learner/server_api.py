@@ -41,11 +41,28 @@ class ServerApi:
         body = {"source": "delta", "delta_path": delta_path, "weight_version": weight_version, "model_path": model_path}
         return self._call("POST", body)
 
-    def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def begin_distributed(self, weight_version: str, model_path: str) -> dict[str, Any]:
+        """Open a rollout the caller broadcasts (``learner.weight_broadcast.roll_out_by_broadcast``): the
+        server pauses its replicas and answers ``{"session", "group_name", "world_size", "engines"}``.
+
+        Raises:
+            RoundError: refused (an in-process engine, another rollout open) or unreachable.
+        """
+        body = {"source": "distributed", "weight_version": weight_version, "model_path": model_path}
+        return self._call("POST", body)
+
+    def end_distributed(self, session: str, *, committed: bool, reason: str | None = None) -> dict[str, Any]:
+        """Commit (every replica must serve the broadcast version) or abort (they reload the old one).
+
+        Raises:
+            RoundError: the commit was refused (the replicas serve the old weights) or unreachable.
+        """
+        path = f"/admin/weights/distributed/{session}/{'commit' if committed else 'abort'}"
+        return self._call("POST", None if committed or not reason else {"reason": reason[:2000]}, path)
+
+    def _call(self, method: str, body: dict[str, Any] | None, path: str = "/admin/weights") -> dict[str, Any]:
         try:
-            response = httpx.request(
-                method, f"{self._url}/admin/weights", json=body, headers=self._headers, timeout=self._timeout
-            )
+            response = httpx.request(method, self._url + path, json=body, headers=self._headers, timeout=self._timeout)
         except httpx.HTTPError as exc:
             raise RoundError(f"cannot reach the server at {self._url}: {exc}") from exc
         if response.status_code != 200:
@@ -53,5 +70,5 @@ class ServerApi:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:500]
-            raise RoundError(f"{method} /admin/weights answered {response.status_code}: {message}")
+            raise RoundError(f"{method} {path} answered {response.status_code}: {message}")
         return response.json()

@@ -23,6 +23,7 @@ server, each bucket waits for its running requests to drain, as a disk update do
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
+from learner.round_config import RoundError
 from learner.server_api import ServerApi
 from tandem.weight_update_group import (
     BACKENDS,
@@ -314,12 +316,13 @@ def roll_out_by_broadcast(
         BroadcastError: the broadcast failed; the server was told and restored the serving weights.
     """
     config = config or BroadcastConfig()
-    session = api.begin_distributed(weight_version, model_path, config.timeout_s)
+    session = api.begin_distributed(weight_version, model_path)
     engines = [EngineTarget(e["url"], int(e["ranks"])) for e in session["engines"]]
     try:
         stats = broadcast_weights(engines, named, weight_version, replace(config, group_name=session["group_name"]))
     except BaseException as exc:
-        api.end_distributed(session["session"], committed=False, message=str(exc) or type(exc).__name__)
+        with contextlib.suppress(RoundError):  # unreachable: the server gives up after its timeout anyway
+            api.end_distributed(session["session"], committed=False, reason=str(exc) or type(exc).__name__)
         raise
     return stats, api.end_distributed(session["session"], committed=True)
 

@@ -16,6 +16,7 @@ from server.body_limit import BodyLimitMiddleware
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.conversation_log import ConversationLog
+from server.distributed_rollout import DistributedRollouts
 from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
@@ -114,6 +115,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             app.state.chat = chat
             app.state.completions = CompletionService(conversation_log, sessions)
             app.state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
+            app.state.distributed = DistributedRollouts(app.state.weights, serving)
+            stack.push_async_callback(app.state.distributed.close)
             app.state.engine = serving
             app.state.sessions = sessions
             app.state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.rollout_max_concurrency)

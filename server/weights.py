@@ -64,10 +64,18 @@ class WeightService:
                 (serving unchanged); 503 when the database cannot record the promotion (the engine
                 is rolled back to the old weights).
         """
+        return await self.roll_out_with(
+            model_path, weight_version, partial(self._engine.update_weights, model_path, weight_version)
+        )
+
+    async def roll_out_with(
+        self, model_path: str, weight_version: str, load: Callable[[], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """``roll_out`` with the engine's change made by ``load`` (``server.distributed_rollout``: a
+        trainer's broadcast); ``model_path`` holds the same weights for the version row and rollbacks."""
         async with self._lock:
             before = self._engine.model_info()
             await asyncio.to_thread(self._check_version, before.served_model_name, weight_version)
-            load = partial(self._engine.update_weights, model_path, weight_version)
             return await self._swap(before, model_path, weight_version, load, _Refusal(model_path, "model_path"))
 
     async def roll_out_delta(

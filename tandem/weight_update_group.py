@@ -19,7 +19,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 __all__ = ["BACKENDS", "broadcast_tensors", "close_update_group", "dtype_from_name", "dtype_name", "open_update_group"]
 
@@ -57,7 +64,13 @@ def open_update_group(
     # No device_id: NCCL then creates its communicator lazily at the first broadcast, as SGLang's does.
     # An eager one here would wait for peers that only create theirs when the first bucket arrives.
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=GroupName(group_name),
+        timeout=timeout,
     )
     _world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # ranks of this group are its own
     return group

@@ -89,6 +89,19 @@ class SGLangClient:
         )
         return self._info
 
+    async def ranks(self) -> int:
+        """How many ranks this server joins a weight-update group with: SGLang's tensor-parallel size
+        (/server_info); `tandem engine`, which has no /server_info, is one rank."""
+        try:
+            async with self._http().get(self.url + "/server_info") as response:
+                if response.status == 404:
+                    return 1
+                if response.status != 200:
+                    raise EngineUnavailable(f"{self.url}/server_info answered {response.status}")
+                return int(orjson.loads(await response.read()).get("tp_size") or 1)
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+            raise EngineUnavailable(f"{self.url} did not say its tensor-parallel size: {exc}") from exc
+
     async def _served_context_length(self) -> int:
         """SGLang's /model_info has no context length; its /v1/models cards do (max_model_len)."""
         try:
@@ -213,6 +226,9 @@ class SGLangClient:
         body = {"serialized_named_tensors": [payload], "weight_version": weight_version, "flush_cache": True}
         await self._post("/update_weights_from_tensor", body)
         await self.refresh_model_info()
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._post("/destroy_weights_update_group", {"group_name": group_name})
 
     async def flush_cache(self) -> bool:
         try:

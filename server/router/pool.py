@@ -241,6 +241,49 @@ class EnginePool:
             lambda client: client.update_weights_from_delta(delta, model_path, weight_version),
         )
 
+    async def update_weights_together(
+        self, model_path: str, weight_version: str, load: Callable[[list[SGLangClient]], Awaitable[None]]
+    ) -> None:
+        """All replicas at once, for a load that reaches them together (a trainer's broadcast).
+
+        Every healthy replica is drained and paused (retract: no request fails, new ones wait in the
+        servers), ``load(clients)`` runs, and each must then report ``weight_version``. If ``load``
+        fails, is cancelled or leaves a replica on another version, every paused replica goes back
+        to the pool's weights from disk (it may hold part of the new ones). All resume either way.
+        ``model_path``, the same weights on disk, is what returning replicas load afterwards.
+        """
+        async with self._weights_lock:
+            chosen = [r for r in self.replicas.values() if r.healthy]
+            for replica in chosen:
+                replica.draining = True
+            try:
+                paused = await asyncio.gather(*(r.client.pause("retract") for r in chosen), return_exceptions=True)
+                for replica, error in zip(chosen, paused, strict=True):
+                    if isinstance(error, EngineError):
+                        self._eject(replica, f"unreachable during a weight update: {error}")
+                    elif isinstance(error, BaseException):
+                        raise error
+                replicas = [r for r in chosen if r.healthy]
+                if not replicas:
+                    raise EngineUnavailable(f"no replica could be reached to load {weight_version}")
+                try:
+                    await load([r.client for r in replicas])
+                    infos = await asyncio.gather(*(r.client.refresh_model_info() for r in replicas))
+                    stale = [
+                        r.name for r, info in zip(replicas, infos, strict=True) if info.weight_version != weight_version
+                    ]
+                    if stale:
+                        raise EngineError(f"{', '.join(stale)} did not end on {weight_version}", 400)
+                except BaseException:
+                    await self._roll_back(replicas)
+                    raise
+                self.target = (model_path, weight_version)
+            finally:
+                await asyncio.gather(*(r.client.resume() for r in chosen if r.healthy), return_exceptions=True)
+                for replica in chosen:
+                    replica.draining = False
+        log.info("pool weights updated together", extra={"weight_version": weight_version, "replicas": len(replicas)})
+
     async def _roll(
         self, model_path: str, weight_version: str, load: Callable[[SGLangClient], Awaitable[None]]
     ) -> None:

@@ -1,4 +1,8 @@
-"""GET and POST /admin/weights: what serves now, and rolling out a model version (admin key only)."""
+"""GET and POST /admin/weights: what serves now, and rolling out a model version (admin key only).
+
+Source ``distributed`` only opens a rollout the trainer then broadcasts (server.distributed_rollout);
+admin_distributed.py has its commit and abort.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,24 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
-from server.routes.deps import AdminDep, WeightsDep, json_response
+from server.routes.deps import AdminDep, DistributedDep, WeightsDep, json_response
 from server.schemas import ERRORS
 
 router = APIRouter()
 
 
 class RollOutRequest(BaseModel):
-    source: Literal["disk", "delta"] = Field("disk", description="Where the new weights come from.")
+    source: Literal["disk", "delta", "distributed"] = Field(
+        "disk",
+        description="Where the new weights come from; distributed: a trainer broadcasts them to the engines "
+        "(the answer names the engines and ranks; commit at /admin/weights/distributed/{session}/commit).",
+    )
     model_path: str | None = Field(
         None,
         min_length=1,
         description="disk: a Hugging Face safetensors folder the engines can read. delta (optional): the whole "
-        "checkpoint the delta leads to, if it exists already (checked; else built next to the delta).",
+        "checkpoint the delta leads to, if it exists already (checked; else built next to the delta). "
+        "distributed: the checkpoint holding the broadcast weights (for rollbacks and returning replicas).",
     )
     delta_path: str | None = Field(
         None,
@@ -30,14 +39,17 @@ class RollOutRequest(BaseModel):
     weight_version: str | None = Field(
         None, min_length=1, max_length=200, description="The version id to serve it as (delta: its target by default)."
     )
+    timeout_s: float = Field(
+        600.0, gt=0, le=3600, description="distributed: how long the replicas stay paused waiting for the commit."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> RollOutRequest:
-        if self.source == "disk" and (self.model_path is None or self.weight_version is None):
-            raise ValueError("source disk needs model_path and weight_version")
+        if self.source != "delta" and (self.model_path is None or self.weight_version is None):
+            raise ValueError(f"source {self.source} needs model_path and weight_version")
         if self.source == "delta" and self.delta_path is None:
             raise ValueError("source delta needs delta_path")
-        if self.source == "disk" and self.delta_path is not None:
+        if self.source != "delta" and self.delta_path is not None:
             raise ValueError("delta_path goes with source delta")
         return self
 
@@ -48,7 +60,11 @@ async def get_weights(_: AdminDep, service: WeightsDep) -> Response:
 
 
 @router.post("/admin/weights", response_model=None, responses=ERRORS)
-async def roll_out_weights(body: RollOutRequest, _: AdminDep, service: WeightsDep) -> Response:
+async def roll_out_weights(
+    body: RollOutRequest, _: AdminDep, service: WeightsDep, distributed: DistributedDep
+) -> Response:
+    if body.source == "distributed":
+        return json_response(await distributed.begin(body.weight_version, body.model_path, body.timeout_s))  # type: ignore[arg-type]
     if body.source == "delta":
         return json_response(await service.roll_out_delta(body.delta_path, body.weight_version, body.model_path))  # type: ignore[arg-type]
     return json_response(await service.roll_out(body.model_path, body.weight_version))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from server.auth import CurrentIdentity, Identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
+from server.distributed_rollout import DistributedRollouts
 from server.errors import ApiError
 from server.rollouts import RolloutService
 from server.weights import WeightService
@@ -29,6 +30,10 @@ async def _completions(request: Request) -> CompletionService:
 
 async def _weights(request: Request) -> WeightService:
     return request.app.state.weights
+
+
+async def _distributed(request: Request) -> DistributedRollouts:
+    return request.app.state.distributed
 
 
 async def _rollouts(request: Request) -> RolloutService:
@@ -51,6 +56,7 @@ async def log_fields(request: Request) -> dict[str, Any]:
 ChatDep = Annotated[ChatService, Depends(_chat)]
 CompletionsDep = Annotated[CompletionService, Depends(_completions)]
 WeightsDep = Annotated[WeightService, Depends(_weights)]
+DistributedDep = Annotated[DistributedRollouts, Depends(_distributed)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 AdminDep = Annotated[Identity, Depends(_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
