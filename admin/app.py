@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from admin.routes import router
+from learner.celery_app import create_celery_app
 from server.app import create_app as create_server_app
 from tandem.settings import Settings
 
@@ -25,5 +26,7 @@ def create_app(settings: Settings, **kwargs: Any) -> FastAPI:
         StartupError: as ``server.app.create_app``.
     """
     app = create_server_app(settings, **kwargs)
+    # Sends run-now rounds to the learner pool; its settings check the round settings of schedules.
+    app.state.learner = create_celery_app(settings)
     app.include_router(router)
     return app

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from admin.routes import audit, engines, keys, runs, stats, tenants, ui, users, versions
+from admin.routes import audit, engines, keys, runs, schedules, stats, tenants, ui, users, versions
 
 __all__ = ["router"]
 
 router = APIRouter()
-for module in (runs, versions, audit, engines, keys, tenants, users, stats, ui):
+for module in (runs, versions, schedules, audit, engines, keys, tenants, users, stats, ui):
     router.include_router(module.router)

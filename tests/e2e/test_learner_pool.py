@@ -9,7 +9,6 @@ every second, heartbeats every half second, a round stale after 3 s.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import httpx
 import openai
 import psutil
 import pytest
-import redis
 import torch
 
 from learner.beat import DEFAULT_SCHEDULE
@@ -37,36 +35,18 @@ from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support import learner_queue
+from tests.support.learner_queue import REDIS
 
 pytestmark = pytest.mark.slow
 
-REDIS = "redis://127.0.0.1:6379/0"
 TASK_TIMEOUT_S = 90
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
 
 
 @pytest.fixture
 def redis_prefix() -> Iterator[str]:
-    """A key prefix of this test's own on the local Redis; its keys are deleted afterwards."""
-    client = redis.Redis.from_url(REDIS, socket_connect_timeout=3)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        message = f"Redis at {REDIS} is unreachable: {exc}"
-        if _in_ci():
-            pytest.fail(f"{message}; CI must run the learner pool tests", pytrace=False)
-        pytest.skip(message)
-    prefix = f"tandem-test-{secrets.token_hex(6)}:"
-    try:
+    with learner_queue.redis_prefix() as prefix:
         yield prefix
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 @pytest.fixture
