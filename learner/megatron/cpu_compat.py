@@ -1,0 +1,126 @@
+"""Running megatron-core on a machine without CUDA: the few patches it needs, applied only there.
+
+megatron-core assumes a GPU in a handful of places (shared/reference/megatron-core-cpu.md §2-§4):
+rotary embeddings and the attention buffer ask ``torch.cuda.current_device()``, the default causal
+mask is built on ``"cuda"``, gradient buffers and the MoE token dispatcher use CUDA streams, and the DDP
+wrapper, optimizer and pipeline schedules create tensors on ``"cuda"`` and compare ``param.type()``
+with ``"torch.cuda.FloatTensor"``. ``apply_cpu_patches`` fixes the first three for the process;
+``cuda_as_cpu`` is a ``TorchFunctionMode`` that redirects the rest while it is active. On a CUDA
+machine both do nothing, so the GPU path runs megatron-core unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["apply_cpu_patches", "cuda_as_cpu", "define_missing_te_gemm", "on_cpu"]
+
+_patched = False
+
+
+def on_cpu() -> bool:
+    """True when this process has no CUDA device: the patches below are needed."""
+    return not torch.cuda.is_available()
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+class _NoStream:
+    """The one stream there is without CUDA: gradient buffers and the MoE token dispatcher wait on
+    streams and events; on the CPU everything has already happened."""
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> _NoStream:
+        return self  # an "event" whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        return None
+
+
+_NO_STREAM = _NoStream()
+
+
+def define_missing_te_gemm() -> None:
+    """megatron-core 0.16's MoE router reads ``moe_utils.te_general_gemm``, which is only defined when
+    TransformerEngine imports: without TE (CPU or GPU) every MoE forward raises NameError. None
+    selects its plain torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def apply_cpu_patches() -> None:
+    """Patch torch.cuda and megatron-core for a CUDA-less process (idempotent; a no-op with CUDA).
+
+    Call it before the first model forward: ``RotaryEmbedding.forward`` caches its result.
+    """
+    global _patched
+    if _patched or not on_cpu():
+        return
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    torch.cuda.current_stream = lambda device=None: _NO_STREAM  # type: ignore[assignment,misc,return-value]
+    torch.cuda.Stream = lambda *args, **kwargs: _NO_STREAM  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask  # imported there by name
+    _patched = True
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # a bare index means a CUDA device
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """Redirects CUDA placements to the CPU and makes CPU tensors report CUDA type names."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(torch.device("cpu") if _is_cuda(a) else a for a in args)
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and isinstance(result, str) and "cuda" not in result:
+            return result.replace("torch.", "torch.cuda.", 1)  # megatron asserts on "torch.cuda.FloatTensor"
+        return result
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """While active, megatron's hard-coded ``"cuda"`` tensors land on the CPU (nothing to do with CUDA).
+
+    Enter it around DDP construction, the optimizer's construction and step, and the pipeline schedule.
+    """
+    if not on_cpu():
+        yield
+        return
+    with _CudaAsCpu():
+        yield

@@ -1,0 +1,190 @@
+"""A megatron-core ``GPTModel`` that computes what a Hugging Face Qwen2/Qwen3/Llama/Qwen3-MoE model does.
+
+``transformer_config`` maps the HF config onto megatron's (shared/reference/megatron-core-cpu.md §5:
+RMSNorm epsilon, SwiGLU, q/k/v bias, q/k norm, no dropout, grouped-query attention, experts and
+their router); ``build_model`` builds the model with the local layer spec, its core attention swapped
+for ``SDPAttention`` unless ``attention="local"``, and RoPE frequencies taken from transformers'
+own formula so scaled variants (``llama3``, ``linear``) match exactly.
+
+Features with no exact megatron counterpart here are refused with the reason (sliding windows,
+YaRN/LongRoPE attention scaling, biases on the output or MLP projections, non-SiLU activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from transformers import PretrainedConfig
+
+from learner.megatron.config import MegatronConfig
+from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern
+from learner.megatron.sdpa_attention import SDPAttention
+
+__all__ = ["UnsupportedModel", "build_model", "transformer_config"]
+
+# RoPE variants whose frequencies transformers computes once and applies without extra scaling.
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_parameters(hf: PretrainedConfig) -> dict[str, Any]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _refusals(hf: PretrainedConfig) -> list[str]:
+    rope = _rope_parameters(hf)
+    refusals = []
+    if rope["rope_type"] not in _ROPE_TYPES:
+        refusals.append(f"rope_type {rope['rope_type']!r} (supported: {', '.join(_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refusals.append("partial rotary embeddings")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        refusals.append(f"hidden_act {hf.hidden_act!r} (only silu)")
+    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or ()):
+        refusals.append("sliding-window attention")
+    if getattr(hf, "mlp_bias", False) or (family_of(hf).attention_bias_is_config and hf.attention_bias):
+        refusals.append("biases on the output or MLP projections")
+    return refusals
+
+
+def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` equivalent to ``hf`` under ``parallel``'s layout.
+
+    Raises:
+        UnsupportedModel: a model type or feature this backend does not reproduce exactly.
+    """
+    family = family_of(hf)
+    refusals = _refusals(hf)
+    if refusals:
+        raise UnsupportedModel(f"{hf.model_type}: not supported by the megatron backend: {'; '.join(refusals)}")
+    dtype = torch.bfloat16 if parallel.bf16 else torch.float32
+    heads = hf.num_attention_heads
+    moe: dict[str, Any] = {}
+    if family.moe:
+        moe = {
+            "num_moe_experts": hf.num_experts,
+            "moe_ffn_hidden_size": hf.moe_intermediate_size,
+            "moe_router_topk": hf.num_experts_per_tok,
+            # HF: softmax over all experts, top-k, renormalised when norm_topk_prob. Megatron's softmax
+            # over the top-k logits is that renormalised form; pre-softmax is the plain one.
+            "moe_router_pre_softmax": not hf.norm_topk_prob,
+            "moe_router_topk_scaling_factor": None,
+            "moe_layer_freq": moe_layer_pattern(hf),
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_grouped_gemm": False,
+            "moe_router_dtype": "fp32",
+        }
+    recompute: dict[str, Any] = {}
+    if parallel.recompute == "full":
+        recompute = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": parallel.recompute_num_layers,
+        }
+    elif parallel.recompute == "selective":
+        recompute = {"recompute_granularity": "selective"}
+    config = TransformerConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        ffn_hidden_size=hf.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias(hf),
+        qk_layernorm=family.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # the fused CUDA kernels are optional; unfused paths keep CPU and GPU numerics alike
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        bf16=parallel.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        variable_seq_lengths=True,  # packed micro-batches differ in length
+        moe_token_dispatcher_type="alltoall",  # the default (allgather) refuses variable lengths
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is loaded from the checkpoint
+        **recompute,
+        **moe,
+    )
+    return config
+
+
+def _layer_specs(config: TransformerConfig, attention: str) -> TransformerBlockSubmodules:
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if attention == "local":
+        return block
+    specs = []
+    for layer in block.layer_specs:
+        attention_spec = layer.submodules.self_attention
+        attention_spec = dataclasses.replace(
+            attention_spec, submodules=dataclasses.replace(attention_spec.submodules, core_attention=SDPAttention)
+        )
+        specs.append(
+            ModuleSpec(layer.module, layer.params, dataclasses.replace(layer.submodules, self_attention=attention_spec))
+        )
+    return dataclasses.replace(block, layer_specs=specs)
+
+
+def _hf_inv_freq(hf: PretrainedConfig, head_dim: int) -> torch.Tensor:
+    rope = _rope_parameters(hf)
+    if rope["rope_type"] == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (rope["rope_theta"] ** exponents)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
+    if attention_scaling != 1.0:
+        raise UnsupportedModel(f"rope_type {rope['rope_type']!r} scales attention by {attention_scaling}")
+    return inv_freq.float()
+
+
+def build_model(
+    hf: PretrainedConfig, parallel: MegatronConfig, *, pre_process: bool = True, post_process: bool = True
+) -> GPTModel:
+    """An unloaded ``GPTModel`` for ``hf`` (weights come from ``hf_convert``), on the CPU.
+
+    Needs ``megatron.core.parallel_state`` initialised (``runtime.init_parallel``).
+    """
+    config = transformer_config(hf, parallel)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_specs(config, parallel.attention),
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(_rope_parameters(hf)["rope_theta"]),
+    )
+    # Before the first forward: RotaryEmbedding.forward caches its result.
+    model.rotary_pos_emb.inv_freq = _hf_inv_freq(hf, config.kv_channels)
+    return model
