@@ -215,7 +215,7 @@ async function loadTrend() {
   }
   const select = $("trend-model");
   select.replaceChildren(...models.map((m) => el("option", { value: m, text: m, selected: m === state.trendModel })));
-  select.disabled = models.length < 2;
+  select.parentElement.hidden = models.length < 2; // one model: the header already names it
   const shown = points.filter((p) => p.model === state.trendModel);
   drawTrend(shown);
   fill(
@@ -383,7 +383,7 @@ async function loadSchedules() {
       );
     }),
     7,
-    "No schedules: rounds run when enough new feedback arrives (TANDEM_LEARN_MIN_FEEDBACK).",
+    "No schedules yet.",
   );
 }
 
