@@ -553,7 +553,7 @@ async function signIn(event) {
     sessionStorage.removeItem(KEY_STORAGE);
     const messages = {
       401: "Wrong admin key: the server refused it.",
-      403: "That is a tenant API key; the dashboard needs the admin key (TANDEM_ADMIN_KEY).",
+      403: "That is not the admin key: the dashboard needs the admin key the server runs with (TANDEM_ADMIN_KEY).",
     };
     error.textContent = messages[err.status] || err.message;
     error.hidden = false;

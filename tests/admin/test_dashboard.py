@@ -196,7 +196,7 @@ def test_sign_in_refuses_a_wrong_key_and_a_tenant_key(page: Page, gateway: Gatew
     shot(page, "01-wrong-key")
     page.fill("#admin-key", gateway.keys["acme"])
     page.click("#login-form button[type=submit]")
-    expect(page.locator("#login-error")).to_contain_text("tenant API key")
+    expect(page.locator("#login-error")).to_contain_text("That is not the admin key")
     assert page.evaluate("sessionStorage.length") == 0
 
 
