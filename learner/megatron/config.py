@@ -19,10 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["ROLES", "AttentionKind", "MegatronConfig", "Recompute", "Role", "check_model"]
+__all__ = ["ROLES", "MegatronConfig", "Recompute", "Role", "check_model"]
 
 Recompute = Literal["none", "selective", "full"]
-AttentionKind = Literal["sdpa", "local"]
 Role = Literal["actor", "critic", "reference"]
 ROLES: tuple[str, ...] = get_args(Role)
 _NOT_OVERRIDABLE = frozenset({"roles", "devices"})  # every role runs on the same processes
@@ -37,9 +36,6 @@ class MegatronConfig:
 
     ``max_tokens_per_device``: the token cap of one micro-batch on one device (slime's
     ``--max-tokens-per-gpu``); None: the train config's ``max_tokens_per_micro_batch``.
-    ``attention``: ``sdpa`` runs core attention through torch's ``scaled_dot_product_attention``
-    (fused kernels on GPU, packed samples); ``local`` is megatron-core's unfused ``DotProductAttention``
-    (padded batches only; kept as the reference the SDPA path is tested against).
     """
 
     tensor_parallel: int = 1
@@ -53,7 +49,6 @@ class MegatronConfig:
     recompute_num_layers: int = 1  # with recompute="full": layers per recomputed chunk
     bf16: bool = False
     max_tokens_per_device: int | None = None
-    attention: AttentionKind = "sdpa"
     devices: int = 1
     roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -115,8 +110,6 @@ class MegatronConfig:
             errors.append("recompute_num_layers applies only to recompute='full'")
         if self.max_tokens_per_device is not None and self.max_tokens_per_device < 1:
             errors.append(f"max_tokens_per_device must be >= 1, got {self.max_tokens_per_device}")
-        if self.attention not in get_args(AttentionKind):
-            errors.append(f"attention must be one of {get_args(AttentionKind)}, got {self.attention!r}")
         return errors
 
     @property

@@ -2,7 +2,7 @@
 
 megatron-core assumes a GPU in a handful of places (shared/reference/megatron-core-cpu.md §2-§4):
 rotary embeddings and the attention buffer ask ``torch.cuda.current_device()``, the default causal
-mask is built on ``"cuda"``, gradient buffers and the MoE token dispatcher use CUDA streams, and the DDP
+mask is built on ``"cuda"``, activation recompute saves the CUDA generator's state, gradient buffers and the MoE token dispatcher use CUDA streams, and the DDP
 wrapper, optimizer and pipeline schedules create tensors on ``"cuda"`` and compare ``param.type()``
 with ``"torch.cuda.FloatTensor"``. ``apply_cpu_patches`` fixes the first three for the process;
 ``cuda_as_cpu`` is a ``TorchFunctionMode`` that redirects the rest while it is active. On a CUDA
@@ -71,6 +71,7 @@ def apply_cpu_patches() -> None:
     if _patched or not on_cpu():
         return
     from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import utils as transformer_utils
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
@@ -79,6 +80,10 @@ def apply_cpu_patches() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask  # imported there by name
+    # Activation recompute saves and restores the CUDA generator around each checkpointed chunk;
+    # there is none (dropout uses the CPU generator, which megatron saves as well).
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _patched = True
 
 

@@ -13,7 +13,7 @@ YaRN/LongRoPE attention scaling, biases on the output or MLP projections, non-Si
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,12 @@ from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern
 from learner.megatron.sdpa_attention import SDPAttention
 
-__all__ = ["UnsupportedModel", "build_model", "transformer_config"]
+__all__ = ["AttentionKind", "UnsupportedModel", "build_model", "transformer_config"]
+
+# ``sdpa``: torch's scaled_dot_product_attention (fused kernels on GPU, packed rows: what the trainer
+# runs); ``local``: megatron-core's unfused DotProductAttention (padded batches only; the reference
+# the SDPA path is tested against).
+AttentionKind = Literal["sdpa", "local"]
 
 # RoPE variants whose frequencies transformers computes once and applies without extra scaling.
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -136,7 +141,7 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
     return config
 
 
-def _layer_specs(config: TransformerConfig, attention: str) -> TransformerBlockSubmodules:
+def _layer_specs(config: TransformerConfig, attention: AttentionKind) -> TransformerBlockSubmodules:
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     if attention == "local":
         return block
@@ -166,7 +171,12 @@ def _hf_inv_freq(hf: PretrainedConfig, head_dim: int) -> torch.Tensor:
 
 
 def build_model(
-    hf: PretrainedConfig, parallel: MegatronConfig, *, pre_process: bool = True, post_process: bool = True
+    hf: PretrainedConfig,
+    parallel: MegatronConfig,
+    *,
+    attention: AttentionKind = "sdpa",
+    pre_process: bool = True,
+    post_process: bool = True,
 ) -> GPTModel:
     """An unloaded ``GPTModel`` for ``hf`` (weights come from ``hf_convert``), on the CPU.
 
@@ -175,7 +185,7 @@ def build_model(
     config = transformer_config(hf, parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_specs(config, parallel.attention),
+        transformer_layer_spec=_layer_specs(config, attention),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         pre_process=pre_process,

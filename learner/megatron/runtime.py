@@ -52,8 +52,11 @@ def parallel(config: MegatronConfig, *, seed: int = 0) -> Iterator[None]:
     """Megatron's parallel groups for ``config`` in this process, seeded; destroyed on exit.
 
     Raises:
-        ValueError: the world size differs from ``config.devices``.
+        ValueError: the world size differs from ``config.devices``, or the config offloads optimizer
+            state to the CPU in a process without a GPU.
     """
+    if config.optimizer_cpu_offload and on_cpu():
+        raise ValueError("optimizer_cpu_offload moves optimizer state off the GPU; this process has no GPU")
     apply_cpu_patches()
     define_missing_te_gemm()
     _init_process_group()

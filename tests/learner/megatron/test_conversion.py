@@ -22,9 +22,9 @@ HF_ATTENTION = {"local": "eager", "sdpa": "sdpa"}
 
 
 def megatron_logits(config: PretrainedConfig, folder: Path, attention: str, tokens: torch.Tensor) -> torch.Tensor:
-    layout = MegatronConfig(attention=attention)
+    layout = MegatronConfig()
     with parallel(layout):
-        model = build_model(config, layout).eval()
+        model = build_model(config, layout, attention=attention).eval()
         load_hf_weights(model, folder, config, layout)
         positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
         with torch.no_grad():

@@ -1,0 +1,326 @@
+"""The Megatron trainer: a HF checkpoint trained as a megatron-core ``GPTModel``, exported back to HF.
+
+``MegatronPolicy`` is one model role on this rank: built for the layout in ``MegatronConfig``
+(``model``), loaded from the HF folder (``weights``), and, when trainable, wrapped in megatron's
+``DistributedDataParallel`` with its optimizer (Adam; distributed, CPU-offloaded and bf16 variants
+as configured). Micro-batches are the trainer's packed rows (``learner.batching``) fed as
+``thd`` packed sequences through megatron's forward/backward schedule, so pipeline parallelism works
+the same as one stage. The loss of each micro-batch is ``learner.trainers.step_loss`` on the
+vocabulary-gathered logits: the torch backend's own code, with the same reductions.
+
+Loss scaling across micro-batches and replicas: the shared loss is already normalised by the whole
+step's sample and token counts, so gradients must be summed, not averaged. Megatron's schedule
+divides each micro-batch loss by their number and its DDP averages over data-parallel replicas;
+``_loss_scale`` undoes both (as slime does).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+from transformers import AutoConfig
+
+from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples
+from learner.megatron.config import MegatronConfig, check_model
+from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
+from learner.megatron.model import build_model
+from learner.megatron.weights import gather_hf_weights, load_hf_weights
+from learner.sample import Sample
+from learner.trainers.step_loss import StepInputs, micro_batch_loss, prepare_step, step_metrics, token_log_probs
+from learner.trainers.train_config import TrainConfig, TrainingDiverged
+
+__all__ = ["MegatronPolicy", "OptimizerSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSettings:
+    """Adam's knobs (betas and epsilon are torch's defaults, as in the torch backend)."""
+
+    learning_rate: float
+    weight_decay: float = 0.0
+    clip_grad: float | None = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One micro-batch this rank runs; ``weight`` 0 for a filler that keeps replicas in step."""
+
+    batch: PackedMicroBatch
+    weight: float = 1.0
+    ref_log_probs: Tensor | None = None
+
+
+def _device() -> torch.device:
+    return torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
+
+
+def _share(items: list[PackedMicroBatch]) -> list[_Item]:
+    """This data-parallel replica's micro-batches, round robin; replicas short of one get a zero-weight
+    copy, since every replica must run the same schedule."""
+    size, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    rounds = math.ceil(len(items) / size)
+    share = []
+    for slot in range(rounds):
+        index = slot * size + rank
+        share.append(_Item(items[index]) if index < len(items) else _Item(items[0], weight=0.0))
+    return share
+
+
+class MegatronPolicy:
+    """One model (the trained actor, or a frozen reference) on this rank's part of the layout.
+
+    Needs ``runtime.parallel(config)`` active for its whole life.
+    """
+
+    def __init__(self, model_dir: Path, config: MegatronConfig, *, optimizer: OptimizerSettings | None = None) -> None:
+        self.config = config
+        self.hf = AutoConfig.from_pretrained(model_dir)
+        check_model(config, self.hf)
+        model = build_model(
+            self.hf,
+            config,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+        load_hf_weights(model, model_dir, self.hf, config)
+        self.model = model.to(_device())
+        self.optimizer: Any = None
+        self.module: torch.nn.Module = self.model
+        if optimizer is None:
+            self.model.eval().requires_grad_(False)
+            return
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,  # overlapping needs CUDA streams
+            use_distributed_optimizer=config.distributed_optimizer,
+        )
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=optimizer.learning_rate,
+            min_lr=optimizer.learning_rate,
+            weight_decay=optimizer.weight_decay,
+            clip_grad=optimizer.clip_grad or 0.0,  # 0: megatron reports the norm without clipping
+            bf16=config.bf16,
+            params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
+            use_distributed_optimizer=config.distributed_optimizer,
+            optimizer_cpu_offload=config.optimizer_cpu_offload,
+            optimizer_offload_fraction=1.0 if config.optimizer_cpu_offload else 0.0,
+        )
+        with cuda_as_cpu():
+            ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=self.model)
+            self.optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+        self.module = ddp
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = ddp.no_sync
+        model.config.grad_scale_func = self.optimizer.scale_loss
+
+    # forward
+
+    def _forward(self, batch: PackedMicroBatch) -> Tensor:
+        """The packed row's ``[T, V / tp]`` logits (on the last pipeline stage; else hidden states)."""
+        device = _device()
+        ids, positions, cu_seqlens = batch.input_ids, batch.position_ids, batch.cu_seqlens.to(torch.int32)
+        multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
+        padding = -len(ids) % multiple
+        if padding:  # sequence parallel splits the row evenly: a dummy segment fills it up
+            ids = torch.cat([ids, ids.new_zeros(padding)])
+            positions = torch.cat([positions, torch.arange(padding)])
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([len(ids)])])
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,  # kept on the host: attention reads the bounds without a sync
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+        output = self.module(ids[None].to(device), positions[None].to(device), None, packed_seq_params=packed)
+        return output[0, : len(batch.input_ids)] if parallel_state.is_pipeline_last_stage() else output
+
+    def _full_vocab(self, logits: Tensor) -> Tensor:
+        if self.config.tensor_parallel == 1:
+            return logits
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+    def _schedule(
+        self,
+        items: list[_Item],
+        loss: Callable[[_Item, Tensor], tuple[Tensor, dict[str, Any]]],
+        *,
+        forward_only: bool,
+    ) -> list[dict[str, Any]]:
+        """Run megatron's forward(/backward) schedule over ``items``; each item's ``loss`` output, in order
+        (on the last pipeline stage; empty elsewhere)."""
+        queue: Iterator[_Item] = iter(items)
+
+        def forward_step(data: Iterator[_Item], model: torch.nn.Module) -> tuple[Tensor, Callable[..., Any]]:
+            item = next(data)
+            return self._forward(item.batch), functools.partial(loss, item)
+
+        with cuda_as_cpu():
+            return list(
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=queue,
+                    model=[self.module],
+                    num_microbatches=len(items),
+                    seq_length=max(len(i.batch.input_ids) for i in items),
+                    micro_batch_size=1,
+                    forward_only=forward_only,
+                )
+            )
+
+    @torch.no_grad()
+    def micro_batch_log_probs(self, batches: Sequence[PackedMicroBatch]) -> list[Tensor]:
+        """``[T]`` token log-probs of each packed row (``torch_backend.compute_log_probs``'s values);
+        on the last pipeline stage, empty elsewhere."""
+        self.module.eval()
+
+        def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            log_probs = token_log_probs(self._full_vocab(output), item.batch)
+            return output.new_zeros(()), {"log_probs": log_probs}
+
+        outputs = self._schedule([_Item(b) for b in batches], loss, forward_only=True)
+        return [o["log_probs"] for o in outputs]
+
+    def response_log_probs(self, samples: Sequence[Sample], max_tokens: int) -> list[Tensor | None]:
+        """Each sample's ``[response_length]`` log-probs, for the samples this rank's replica runs
+        (the same packing and split as ``train_step``); None for the others."""
+        items = _share([collate_micro_batch(samples, m) for m in pack_samples(samples, max_tokens)])
+        real = [item.batch for item in items if item.weight]
+        result: list[Tensor | None] = [None] * len(samples)
+        for batch, log_probs in zip(real, self.micro_batch_log_probs(real), strict=False):
+            for index, start, end in zip(
+                batch.sample_indices, batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True
+            ):
+                result[index] = log_probs[int(start) + samples[index].prompt_length : int(end)].cpu()
+        return result
+
+    # training
+
+    def _loss_scale(self, num_microbatches: int) -> float:
+        return float(num_microbatches * parallel_state.get_data_parallel_world_size())
+
+    def _refuse(self, message: str) -> None:
+        self.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        raise TrainingDiverged(f"{message}: step refused, weights left as they were")
+
+    def accumulate_gradients(
+        self,
+        samples: Sequence[Sample],
+        config: TrainConfig,
+        *,
+        ref: MegatronPolicy | None = None,
+        old_log_probs: Sequence[Tensor | None] | None = None,
+        advantages: Tensor | None = None,
+    ) -> dict[str, float]:
+        """Forward and backward over ``samples``: gradients land in the DDP buffers (``main_grad``).
+
+        Returns the summed loss parts (on the last pipeline stage; empty elsewhere). Arguments as
+        ``torch_backend.train_step``'s, with ``ref`` the frozen reference for the KL loss.
+        """
+        inputs: StepInputs = prepare_step(
+            samples,
+            config,
+            has_ref_model=ref is not None,
+            old_log_probs=old_log_probs,  # type: ignore[arg-type]
+            advantages=advantages,
+        )
+        cap = (self.config.max_tokens_per_device or config.max_tokens_per_micro_batch) * self.config.context_parallel
+        items = _share([collate_micro_batch(samples, m) for m in pack_samples(samples, cap)])
+        if ref is not None and config.loss.kl_loss_coef != 0:
+            refs = ref.micro_batch_log_probs([item.batch for item in items])
+            if refs:
+                items = [_Item(i.batch, i.weight, r) for i, r in zip(items, refs, strict=True)]
+        scale = self._loss_scale(len(items))
+        self.module.train()
+        self.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            value, parts = micro_batch_loss(
+                config, inputs, samples, item.batch, self._full_vocab(output), ref_log_probs=item.ref_log_probs
+            )
+            if not math.isfinite(float(value.detach())):
+                self._refuse(f"loss is {float(value.detach())}")
+            return value * (scale * item.weight), {k: v * item.weight for k, v in parts.items()}
+
+        totals: dict[str, float] = {}
+        for parts in self._schedule(items, loss, forward_only=False):
+            for name, value in parts.items():
+                totals[name] = totals.get(name, 0.0) + value
+        if parallel_state.get_data_parallel_world_size() > 1:
+            totals = _sum_over_replicas(totals)
+        return totals
+
+    def apply_gradients(self) -> float:
+        """Clip and step; the gradient norm before clipping.
+
+        Raises:
+            TrainingDiverged: a non-finite gradient norm (nothing changes) or weight after the step.
+        """
+        with cuda_as_cpu():
+            found_inf = self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if found_inf or not math.isfinite(grad_norm):
+                self._refuse(f"grad_norm is {grad_norm}")
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        with torch.no_grad():
+            if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+                raise TrainingDiverged("a weight became non-finite in the optimizer step")
+        return grad_norm
+
+    def train_step(
+        self,
+        samples: Sequence[Sample],
+        config: TrainConfig,
+        *,
+        ref: MegatronPolicy | None = None,
+        old_log_probs: Sequence[Tensor | None] | None = None,
+        advantages: Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``samples``: ``torch_backend.train_step``'s contract and metrics."""
+        started = time.perf_counter()
+        totals = self.accumulate_gradients(samples, config, ref=ref, old_log_probs=old_log_probs, advantages=advantages)
+        grad_norm = self.apply_gradients()
+        return step_metrics(samples, _from_last_stage(totals), grad_norm, time.perf_counter() - started)
+
+    def hf_state(self) -> dict[str, Tensor] | None:
+        """The whole model under HF names on global rank 0; None elsewhere."""
+        return gather_hf_weights(self.model, self.hf, self.config)
+
+
+def _sum_over_replicas(totals: dict[str, float]) -> dict[str, float]:
+    names = sorted(totals)
+    values = torch.tensor([totals[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+    return dict(zip(names, values.tolist(), strict=True))
+
+
+def _from_last_stage(totals: dict[str, float]) -> dict[str, float]:
+    """The loss parts, which only the last pipeline stage computed, on every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return totals
+    box = [totals]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
