@@ -40,7 +40,10 @@ class RollOutRequest(BaseModel):
         None, min_length=1, max_length=200, description="The version id to serve it as (delta: its target by default)."
     )
     timeout_s: float = Field(
-        600.0, gt=0, le=3600, description="distributed: how long the replicas stay paused waiting for the commit."
+        120.0,
+        gt=0,
+        le=3600,
+        description="distributed: how long the replicas stay paused (requests waiting) for the trainer's commit.",
     )
 
     @model_validator(mode="after")
