@@ -207,8 +207,14 @@ class WeightBroadcaster:
         buckets = plan_buckets(tensors, self.config.bucket_bytes)
         self._all("/begin_weight_update", {})
         started = time.perf_counter()
-        for bucket in buckets:
-            self._send_bucket(bucket, weight_version)
+        try:
+            for bucket in buckets:
+                self._send_bucket(bucket, weight_version)
+        except BroadcastError:
+            if not self._broken:  # close SGLang's update session, or its next begin is refused
+                with contextlib.suppress(BroadcastError):
+                    self._all("/end_weight_update", {})
+            raise
         transfer_s = time.perf_counter() - started
         self._all("/end_weight_update", {})
         return BroadcastStats(

@@ -5,7 +5,8 @@ engine joins with its own rank (its ``rank_offset`` plus its tensor-parallel ran
 already belong to another default process group (Megatron's, SGLang's tensor-parallel one) or to
 none, so this group has its own rendezvous and is built with torch's group constructor, the way
 SGLang, slime and OpenRLHF build theirs: store prefixed with the group name, the same keys as
-SGLang's, so a tandem trainer can feed a real SGLang server and SGLang's trainer a `tandem engine`.
+SGLang's, so a tandem trainer can feed a real SGLang server (tests/sglang/test_distributed.py) and a
+slime-style trainer a `tandem engine`.
 
 Weights then travel as plain broadcasts from rank 0, tensor by tensor in the order both sides agreed
 on over HTTP (names, dtypes, shapes).
