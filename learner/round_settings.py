@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from learner.evaluation import EvalConfig, EvalMethod
+from learner.megatron.config import MegatronConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
 from learner.round_config import default_train_config
@@ -17,10 +18,17 @@ __all__ = ["eval_config", "round_config", "train_config"]
 
 
 def train_config(settings: Settings) -> TrainConfig:
-    """The default training knobs with the learner settings' KL loss and custom loss."""
+    """The default training knobs with the learner settings' KL loss, custom loss, micro-batch cap and backend."""
     defaults = default_train_config()
     loss = dataclasses.replace(defaults.loss, kl_loss_coef=settings.learn_kl_coef, kl_loss_type=settings.learn_kl_type)
-    return dataclasses.replace(defaults, loss=loss, custom_loss_path=settings.learn_custom_loss_path)
+    return dataclasses.replace(
+        defaults,
+        loss=loss,
+        custom_loss_path=settings.learn_custom_loss_path,
+        max_tokens_per_micro_batch=settings.learn_max_tokens_per_device,
+        backend=settings.learn_backend,
+        megatron=MegatronConfig.from_dict(settings.learn_megatron),
+    )
 
 
 def eval_config(settings: Settings) -> EvalConfig:

@@ -6,10 +6,12 @@ import importlib.util
 import ipaddress
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from learner.megatron.config import MegatronConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -97,6 +99,12 @@ class Settings(BaseSettings):
     learn_kl_coef: float = Field(0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
     learn_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     learn_custom_loss_path: str | None = Field(None, description="a loss replacing the built-in, 'module:function'")
+    learn_backend: Literal["torch", "megatron"] = Field("torch", description="trainer backend (docs/megatron.md)")
+    learn_max_tokens_per_device: int = Field(4096, ge=1, description="token cap of one training micro-batch")
+    learn_megatron: dict[str, Any] = Field(
+        default_factory=dict,
+        description='megatron layout as JSON, e.g. {"tensor_parallel": 2, "recompute": "full"} (docs/megatron.md)',
+    )
     # Evaluation before promotion (docs/evaluation.md).
     eval_gate: Literal["on", "off"] = Field("on", description="off: no evaluation, no holdout, always roll out")
     eval_margin: float = Field(0.05, ge=0, description="promote when candidate score >= serving score - this")
@@ -142,6 +150,12 @@ class Settings(BaseSettings):
         if self.round_stale_timeout_s <= 2 * self.round_heartbeat_s:
             raise ValueError("round_stale_timeout_s must exceed two round heartbeats (round_heartbeat_s)")
         return self
+
+    @field_validator("learn_megatron")
+    @classmethod
+    def _megatron_layout(cls, value: dict[str, Any]) -> dict[str, Any]:
+        MegatronConfig.from_dict(value)  # every invalid size or combination, named, at start-up
+        return value
 
     @field_validator("wandb_project")
     @classmethod

@@ -197,10 +197,16 @@ class MegatronPolicy:
         outputs = self._schedule([_Item(b) for b in batches], loss, forward_only=True)
         return [o["log_probs"] for o in outputs]
 
-    def response_log_probs(self, samples: Sequence[Sample], max_tokens: int) -> list[Tensor | None]:
+    def micro_batches(self, samples: Sequence[Sample], config: TrainConfig) -> list[_Item]:
+        """This replica's packed micro-batches: at most ``max_tokens_per_device`` tokens per device
+        (the train config's cap when the layout sets none)."""
+        cap = (self.config.max_tokens_per_device or config.max_tokens_per_micro_batch) * self.config.context_parallel
+        return _share([collate_micro_batch(samples, m) for m in pack_samples(samples, cap)])
+
+    def response_log_probs(self, samples: Sequence[Sample], config: TrainConfig) -> list[Tensor | None]:
         """Each sample's ``[response_length]`` log-probs, for the samples this rank's replica runs
         (the same packing and split as ``train_step``); None for the others."""
-        items = _share([collate_micro_batch(samples, m) for m in pack_samples(samples, max_tokens)])
+        items = self.micro_batches(samples, config)
         real = [item.batch for item in items if item.weight]
         result: list[Tensor | None] = [None] * len(samples)
         for batch, log_probs in zip(real, self.micro_batch_log_probs(real), strict=False):
@@ -241,8 +247,7 @@ class MegatronPolicy:
             old_log_probs=old_log_probs,  # type: ignore[arg-type]
             advantages=advantages,
         )
-        cap = (self.config.max_tokens_per_device or config.max_tokens_per_micro_batch) * self.config.context_parallel
-        items = _share([collate_micro_batch(samples, m) for m in pack_samples(samples, cap)])
+        items = self.micro_batches(samples, config)
         if ref is not None and config.loss.kl_loss_coef != 0:
             refs = ref.micro_batch_log_probs([item.batch for item in items])
             if refs:

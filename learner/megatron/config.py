@@ -7,8 +7,10 @@ distributed optimizer...); ``check_model`` refuses sizes that do not fit a given
 KV groups, layers, experts, vocabulary). Both report every problem at once.
 
 Role overrides: ``roles`` maps a role (``actor``, ``critic``, ``reference``) to field overrides, so
-a PPO critic can use another parallel layout or micro-batch size than the actor while sharing the
-rest; ``for_role`` resolves one, and every role is checked when the config is made.
+a PPO critic or the frozen reference can use other memory settings than the actor (recompute, bf16,
+micro-batch size, optimizer sharding and offload) while sharing the rest; the parallel layout is
+shared, since every role lives in the same process groups. ``for_role`` resolves one, and every
+role is checked when the config is made.
 """
 
 from __future__ import annotations
@@ -24,7 +26,19 @@ __all__ = ["ROLES", "MegatronConfig", "Recompute", "Role", "check_model"]
 Recompute = Literal["none", "selective", "full"]
 Role = Literal["actor", "critic", "reference"]
 ROLES: tuple[str, ...] = get_args(Role)
-_NOT_OVERRIDABLE = frozenset({"roles", "devices"})  # every role runs on the same processes
+# Every role runs in the same processes and megatron process groups: a role may change how it uses
+# memory (recompute, bf16, micro-batch size, optimizer sharding), not the layout.
+_NOT_OVERRIDABLE = frozenset(
+    {
+        "roles",
+        "devices",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "context_parallel",
+        "expert_parallel",
+        "sequence_parallel",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,6 +203,10 @@ def _train(
     torch.manual_seed(request.seed)
     if request.num_threads is not None:
         torch.set_num_threads(request.num_threads)
+    if request.config.backend == "megatron":
+        from learner.megatron.train import train_megatron  # megatron-core is imported only for this backend
+
+        return train_megatron(request, metrics)
 
     def load(path: Path) -> torch.nn.Module:
         # Trained in float32 whatever the checkpoint holds: bf16 updates of size lr * grad round to 0.

@@ -194,7 +194,7 @@ def test_old_log_probs_equal_the_torch_backends(base_dir: Path, layout: Megatron
     samples = random_samples(5, seed=4)
     expected = response_log_probs(load_torch(base_dir), samples, 24)
     policy = MegatronPolicy(base_dir, layout)
-    got = policy.response_log_probs(samples, 24)
+    got = policy.response_log_probs(samples, TrainConfig(max_tokens_per_micro_batch=24))
     for mine, theirs in zip(got, expected, strict=True):
         assert mine is not None
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
