@@ -1,0 +1,58 @@
+"""A whole learning round on the megatron backend: chat and rate, train in the child, export, swap, serve.
+
+The same real gateway, child process and rollout as tests/e2e/test_learning_round.py, with
+``TrainConfig(backend="megatron")``: two optimizer steps (PPO old log-probs from megatron) and the
+KL loss against a megatron reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from learner.algorithms import PolicyLossConfig
+from learner.megatron.config import MegatronConfig
+from learner.round import run_round
+from learner.trainers import TrainConfig
+from storage import get_version
+from tests.e2e.test_learning_round import chat_and_rate, gateway, model_dir, round_config, serving  # noqa: F401
+from tests.server.conftest import Gateway
+
+MEGATRON = TrainConfig(backend="megatron", loss=PolicyLossConfig(use_tis=True, kl_loss_coef=0.05))
+
+
+def test_a_round_trains_with_megatron_and_serves_the_export(
+    gateway: Gateway,  # noqa: F811
+    model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    chat_and_rate(gateway, [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Say hi.", "up")])
+    result = run_round(round_config(gateway, tmp_path, train_config=MEGATRON, num_steps=2))
+    assert result.status == "succeeded", result.error
+    assert result.samples == 3 and {"loss", "grad_norm", "kl_loss", "tis"} <= set(result.metrics)
+    assert serving(gateway)["weight_version"] == result.version_id
+    with gateway.sessions()() as session:
+        row = get_version(session, version_id=result.version_id or "")
+    base = load_file(model_dir / "model.safetensors")
+    trained = load_file(Path(row.checkpoint_path) / "model.safetensors")
+    assert trained.keys() == base.keys() and all(trained[k].dtype == base[k].dtype for k in base)
+    assert any(not torch.equal(base[name], trained[name]) for name in base)
+    client = gateway.client(gateway.keys["e2e"])
+    reply = client.chat.completions.create(
+        model=gateway.model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    assert reply.system_fingerprint == result.version_id
+
+
+def test_a_layout_that_does_not_fit_fails_the_round_and_keeps_serving(
+    gateway: Gateway,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    chat_and_rate(gateway, [("Is water wet?", "up"), ("Is fire cold?", "down")])
+    before = serving(gateway)
+    too_wide = TrainConfig(backend="megatron", megatron=MegatronConfig(devices=2, tensor_parallel=2))
+    result = run_round(round_config(gateway, tmp_path, train_config=too_wide))
+    assert result.status == "failed" and "devices=2" in (result.error or "")
+    assert serving(gateway) == before
