@@ -26,6 +26,7 @@ __all__ = ["ROLES", "MegatronConfig", "Recompute", "Role", "check_model"]
 Recompute = Literal["none", "selective", "full"]
 Role = Literal["actor", "critic", "reference"]
 ROLES: tuple[str, ...] = get_args(Role)
+_PREFIX = "invalid megatron config: "
 # Every role runs in the same processes and megatron process groups: a role may change how it uses
 # memory (recompute, bf16, micro-batch size, optimizer sharding), not the layout.
 _NOT_OVERRIDABLE = frozenset(
@@ -76,10 +77,12 @@ class MegatronConfig:
             if unknown:
                 errors.append(f"roles.{role}: cannot override {unknown} (overridable: {', '.join(_overridable())})")
                 continue
-            resolved = dataclasses.replace(self, **overrides, roles={})
-            errors += [f"roles.{role}: {e}" for e in resolved._errors()]
+            try:
+                dataclasses.replace(self, **overrides, roles={})
+            except ValueError as exc:
+                errors.append(f"roles.{role}: {str(exc).removeprefix(_PREFIX)}")
         if errors:
-            raise ValueError("invalid megatron config: " + "; ".join(errors))
+            raise ValueError(_PREFIX + "; ".join(errors))
 
     def _errors(self) -> list[str]:
         errors = []

@@ -73,11 +73,14 @@ def apply_cpu_patches() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.current_stream = lambda device=None: _NO_STREAM  # type: ignore[assignment,misc,return-value]
-    torch.cuda.Stream = lambda *args, **kwargs: _NO_STREAM  # type: ignore[assignment,misc]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    # The dispatcher makes its side stream once, as a class attribute; torch.cuda.Stream itself stays
+    # (other libraries use it in annotations).
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask  # imported there by name
     # Activation recompute saves and restores the CUDA generator around each checkpointed chunk;

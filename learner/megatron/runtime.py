@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
 import torch
@@ -24,23 +23,16 @@ from learner.megatron.cpu_compat import apply_cpu_patches, define_missing_te_gem
 __all__ = ["parallel", "world_rank"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _init_process_group() -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # not launched by torchrun: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if on_cpu():
-        dist.init_process_group("gloo")
-    else:
+    backend = "gloo" if on_cpu() else "nccl"
+    if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (or another launcher setting the env://)
+        dist.init_process_group(backend)
+    else:  # a world of one: an in-memory store, no port to race for (nor to leak to child processes)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def world_rank() -> int:
