@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gate
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 GLOO = BroadcastConfig(backend="gloo", bucket_bytes=256 << 10, timeout_s=60)
+LONG = 400  # tokens: still streaming when the rollout begins
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,24 @@ def chat(gateway: Gateway, max_tokens: int = 24) -> str | None:
     return reply.system_fingerprint
 
 
+def stream_chat(gateway: Gateway, streaming: threading.Event) -> tuple[int, str | None]:
+    """Tokens and finish reason of a long streamed answer; ``streaming`` is set at its first token."""
+    chunks = gateway.client(gateway.keys["acme"]).chat.completions.create(
+        model=gateway.model,
+        messages=[{"role": "user", "content": "tell me more"}],
+        max_tokens=LONG,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    finish, tokens = None, 0
+    for chunk in chunks:
+        streaming.set()
+        finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+    return tokens, finish
+
+
 def assert_serving_the_start_up_weights(gateway: Gateway, engine_urls: list[str], tiny_model: Path) -> None:
     want = as_served(read_checkpoint(tiny_model))
     assert [checksums(url) for url in engine_urls] == [("default", want)] * 2
@@ -97,11 +117,12 @@ def test_a_broadcast_rollout_reaches_every_replica_and_fails_no_request(
 ) -> None:
     trained = {name: t.to(torch.float32) for name, t in read_checkpoint(perturbed_model).items()}
     with ThreadPoolExecutor(4) as users:
-        # Running when the replicas pause: retracted, then finished under the new weights.
-        before = [users.submit(chat, pool_gateway, 160) for _ in range(2)]
-        time.sleep(0.3)
+        # Streaming when the replicas pause: retracted, then finished under the new weights.
+        streaming = threading.Event()
+        before = users.submit(stream_chat, pool_gateway, streaming)
+        assert streaming.wait(60)
         plan = api.begin_distributed("v-dist", str(perturbed_model))
-        assert not any(f.done() for f in before)
+        assert not before.done()
         during = [users.submit(chat, pool_gateway) for _ in range(2)]  # wait in the paused servers
         assert plan["world_size"] == 3 and plan["group_name"].startswith("tandem-")
         assert [(e["url"], e["rank_offset"], e["ranks"]) for e in plan["engines"]] == [
@@ -115,7 +136,8 @@ def test_a_broadcast_rollout_reaches_every_replica_and_fails_no_request(
         assert stats.buckets > 3
         result = api.end_distributed(plan["session"], committed=True)
         assert [f.result() for f in during] == ["v-dist", "v-dist"]
-        assert [f.result() for f in before] == ["default", "default"]  # the version they started on
+        tokens, finish = before.result()
+        assert (tokens, finish) == (LONG, "length")
     assert result["weight_version"] == "v-dist" and result["previous_version"] == "default"
     assert result["version"]["checkpoint_path"] == str(perturbed_model)
     assert [checksums(url) for url in engine_urls] == [("v-dist", as_served(trained))] * 2
