@@ -211,7 +211,7 @@ def ensure_default_schedule(session: Session, settings: Settings, *, actor: str)
     """
     if list_schedules(session, limit=1):
         return None
-    fields = {
+    fields: dict[str, Any] = {
         "name": DEFAULT_SCHEDULE,
         "kind": "feedback",
         "cron": None,
