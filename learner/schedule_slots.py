@@ -33,6 +33,9 @@ from storage.times import from_unix
 
 __all__ = [
     "FEEDBACK_RETRY_S",
+    "KIND_FIELDS",
+    "TIMING_FIELDS",
+    "USED_BY",
     "FeedbackState",
     "ScheduleKind",
     "Slot",
@@ -49,11 +52,9 @@ FEEDBACK_RETRY_S = 60.0  # a feedback firing whose round failed or never ran is 
 MAX_SCAN = 1000  # slots looked at past quiet hours before deciding that a schedule never fires
 MIN_TASK_TTL_S = 1.0
 _HH_MM = re.compile(r"^([01]\d|2[0-3]):[0-5]\d$")
-_KIND_FIELDS: dict[str, tuple[str, ...]] = {  # the optional fields each kind may set
-    "cron": ("cron",),
-    "interval": ("interval_s",),
-    "feedback": ("min_feedback", "interval_s"),
-}
+KIND_FIELDS = ("cron", "interval_s", "min_feedback")  # the fields that only some kinds use
+USED_BY: dict[str, tuple[str, ...]] = {"cron": ("cron",), "interval": ("interval_s",), "feedback": KIND_FIELDS[1:]}
+TIMING_FIELDS = ("kind", *KIND_FIELDS, "quiet_start", "quiet_end", "timezone")
 
 
 class TimingError(ValueError):
@@ -81,8 +82,7 @@ class Timing:
     @classmethod
     def of(cls, schedule: Any) -> Timing:
         """The timing of a stored schedule (``storage.schedules.ScheduleView``)."""
-        names = ("kind", "cron", "interval_s", "min_feedback", "quiet_start", "quiet_end", "timezone")
-        return cls(**{name: getattr(schedule, name) for name in names}, since=schedule.updated_at)
+        return cls(**{name: getattr(schedule, name) for name in TIMING_FIELDS}, since=schedule.updated_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +113,8 @@ def check_timing(timing: Timing, *, now: datetime) -> None:
     """
     if timing.kind not in get_args(ScheduleKind):
         raise TimingError("kind", f"kind must be one of {', '.join(get_args(ScheduleKind))}, not {timing.kind!r}.")
-    for name in ("cron", "interval_s", "min_feedback"):
-        if getattr(timing, name) is not None and name not in _KIND_FIELDS[timing.kind]:
+    for name in KIND_FIELDS:
+        if getattr(timing, name) is not None and name not in USED_BY[timing.kind]:
             raise TimingError(name, f"{name} does not apply to a {timing.kind} schedule; leave it out.")
     _check_kind(timing)
     _check_quiet_hours(timing)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -26,7 +26,16 @@ from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.pages import Limit, page
 from learner.celery_app import LearnerCelery, send_learn
 from learner.round_overrides import RoundSettingsError, check_round_settings
-from learner.schedule_slots import Timing, TimingError, check_timing, next_fire_at
+from learner.schedule_slots import (
+    KIND_FIELDS,
+    TIMING_FIELDS,
+    USED_BY,
+    ScheduleKind,
+    Timing,
+    TimingError,
+    check_timing,
+    next_fire_at,
+)
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
 from server.schemas import ERRORS
@@ -49,9 +58,6 @@ router = APIRouter()
 
 MAX_INT32 = 2**31 - 1  # the columns' integer range on PostgreSQL
 NOT_NULL = ("name", "kind", "timezone", "round_settings", "enabled")
-KIND_FIELDS = ("cron", "interval_s", "min_feedback")
-APPLIES = {"cron": {"cron"}, "interval": {"interval_s"}, "feedback": {"min_feedback", "interval_s"}}
-Kind = Literal["cron", "interval", "feedback"]
 
 
 class UpdateSchedule(BaseModel):
@@ -60,7 +66,7 @@ class UpdateSchedule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, min_length=1, max_length=200)
-    kind: Kind | None = None
+    kind: ScheduleKind | None = None
     cron: str | None = Field(None, max_length=120, description="kind cron: '0 3 * * *' (5 fields) or '@hourly'.")
     interval_s: int | None = Field(
         None, le=MAX_INT32, description="kind interval: seconds; kind feedback: the least gap."
@@ -77,7 +83,7 @@ class UpdateSchedule(BaseModel):
 
 class CreateSchedule(UpdateSchedule):
     name: str = Field(min_length=1, max_length=200)
-    kind: Kind
+    kind: ScheduleKind
     timezone: str = Field("UTC", min_length=1, max_length=64)
     round_settings: dict[str, Any] = Field(default_factory=dict)
     enabled: bool = True
@@ -113,7 +119,7 @@ def _checked(learner: LearnerCelery, fields: Mapping[str, Any]) -> dict[str, Any
     for name in NOT_NULL:
         if fields[name] is None:
             raise ApiError(400, f"{name} cannot be null.", param=name, code="invalid_schedule")
-    timing = Timing(**{name: fields[name] for name in ("kind", *KIND_FIELDS, "quiet_start", "quiet_end", "timezone")})
+    timing = Timing(**{name: fields[name] for name in TIMING_FIELDS})
     try:
         check_timing(timing, now=utcnow())
     except TimingError as exc:
@@ -182,7 +188,7 @@ async def edit(
         current = _get(session, schedule_id)
         if "kind" in changes:
             for name in KIND_FIELDS:
-                if name not in changes and name not in APPLIES.get(changes["kind"] or "", set()):
+                if name not in changes and name not in USED_BY.get(changes["kind"] or "", ()):
                     changes[name] = None
         merged = {name: getattr(current, name) for name in SCHEDULE_FIELDS} | changes
         checked = _checked(request.app.state.learner, merged)
