@@ -46,7 +46,8 @@ DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 def build_checkpoint(shape: str, dtype: torch.dtype, folder: Path) -> int:
     """A random Qwen2 of ``shape`` saved in ``folder``; its parameter count."""
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_parameters=rope, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)

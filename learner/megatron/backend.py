@@ -98,8 +98,8 @@ class MegatronPolicy:
         )
         load_hf_weights(model, model_dir, self.hf, config)
         self.model = model.to(_device())
-        self.optimizer: Any = None
-        self.module: torch.nn.Module = self.model
+        self.optimizer: Any = None  # megatron's (chained) optimizer
+        self.module: Any = self.model  # the DDP wrapper once trainable
         if optimizer is None:
             self.model.eval().requires_grad_(False)
             return

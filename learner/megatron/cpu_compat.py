@@ -77,7 +77,7 @@ def apply_cpu_patches() -> None:
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.current_stream = lambda device=None: _NO_STREAM  # type: ignore[assignment,misc,return-value]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment,misc]
     # The dispatcher makes its side stream once, as a class attribute; torch.cuda.Stream itself stays
     # (other libraries use it in annotations).
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM

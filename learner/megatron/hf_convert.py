@@ -152,7 +152,8 @@ def to_megatron(state: Mapping[str, Tensor], hf: Any) -> dict[str, Tensor]:
         out |= {m: state[h] for m, h in renames}
         m, h = f"decoder.layers.{layer}.self_attention.linear_qkv.", f"model.layers.{layer}.self_attn."
         for kind in ("weight", "bias") if bias else ("weight",):
-            out[m + kind] = _fuse_qkv(*(state[f"{h}{p}_proj.{kind}"] for p in "qkv"), hf)
+            q, k, v = (state[f"{h}{p}_proj.{kind}"] for p in "qkv")
+            out[m + kind] = _fuse_qkv(q, k, v, hf)
         for m, h in mlps:
             out[m + "linear_fc1.weight"] = torch.cat([state[h + "gate_proj.weight"], state[h + "up_proj.weight"]])
             out[m + "linear_fc2.weight"] = state[h + "down_proj.weight"]
