@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     eval_margin: float = Field(0.05, ge=0, description="promote when candidate score >= serving score - this")
     eval_prompts: Path | None = Field(None, description="JSONL eval prompts; unset: held-out rated traffic")
     eval_holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts never trained on")
-    eval_max_samples: int = Field(256, ge=1, description="latest held-out rated answers evaluated")
+    eval_max_samples: int = Field(64, ge=1, description="latest held-out rated answers evaluated")
     eval_fn_path: str | None = Field(None, description="eval function 'module:function'; unset: loglik margin")
     eval_temperature: float = Field(0.7, ge=0)
     eval_top_p: float = Field(1.0, gt=0, le=1)

@@ -75,7 +75,7 @@ class EvalConfig:
     method: EvalMethod = field(default_factory=EvalMethod)
     prompts_path: Path | None = None
     holdout_fraction: float = 0.1
-    max_samples: int = 256
+    max_samples: int = 64
     every_steps: int = 0
     timeout_s: float = 1800.0
 
