@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from typer.testing import CliRunner
 
 from learner.debug_batch import load_batch
 from learner.evaluation import EvalConfig, EvalMethod, is_held_out
 from learner.round import run_round
 from learner.round_metrics import RoundMetricsConfig
 from storage import get_round, get_version
-from tests.e2e.test_learning_round import chat_and_rate, round_config, serving
+from tandem.cli import app
+from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate, round_config, serving
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.streaming_load import StreamingLoad
@@ -179,3 +181,22 @@ def test_an_eval_function_scores_answers_both_versions_generate(gateway: Gateway
     assert record["sampling"] == {"temperature": 0.9, "top_p": 1.0, "max_tokens": 6, "samples_per_prompt": 2, "seed": 0}
     for scores in (record["candidate"], record["serving"]):
         assert scores["prompts"] == 2 and 1 <= scores["score"] == scores["response_length_mean"] <= 6
+
+
+def test_tandem_learn_reads_the_eval_settings_and_reports_a_held_back_version(gateway: Gateway, tmp_path: Path) -> None:
+    rated = answered(gateway, [("Name a planet.", "up"), ("Name a planet.", "down")])
+    env = {
+        "TANDEM_ADMIN_KEY": ADMIN_KEY,
+        "TANDEM_DATA_DIR": str(tmp_path / "data"),
+        "TANDEM_EVAL_PROMPTS": str(eval_file(tmp_path / "flipped.jsonl", rated, flip=True)),
+        "TANDEM_EVAL_MARGIN": "0",
+    }
+    args = ["learn", "--server", gateway.url, "--database-url", gateway.settings.resolved_database_url]
+    args += ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--learning-rate", str(LEARNING_RATE), "--threads", "1"]
+    before = serving(gateway)
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    summary = result.output.strip().splitlines()[-1]
+    assert "held back as a candidate: held back by evaluation: candidate" in summary, summary
+    assert "- margin 0 (loglik_margin on 2 eval items)" in summary
+    assert serving(gateway) == before
