@@ -34,6 +34,7 @@ from openai import OpenAI
 
 from benchmarks.common import console, free_port, model_path, start, tenant_key
 from benchmarks.simulated_users import BrevityPreference, Population
+from learner.evaluation import EvalConfig
 from learner.round import RoundConfig, run_round
 from learner.server_api import ServerApi
 from server.engines.local.engine import LocalEngine
@@ -180,6 +181,7 @@ def main() -> None:
                 checkpoint_dir=workdir / "checkpoints",
                 learning_rate=args.lr,
                 num_threads=args.threads,
+                evaluation=EvalConfig(gate="off"),  # every round rolls out: its delta is what is measured
             )
             rounds, version, checkpoint = [], "", ""
             for index in range(args.rounds):
