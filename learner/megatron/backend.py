@@ -12,6 +12,11 @@ Loss scaling across micro-batches and replicas: the shared loss is already norma
 step's sample and token counts, so gradients must be summed, not averaged. Megatron's schedule
 divides each micro-batch loss by their number and its DDP averages over data-parallel replicas;
 ``_loss_scale`` undoes both (as slime does).
+
+Several processes: every rank must take the same decisions at the same collectives, or one waits
+forever for another. So a step is refused on what every rank sees alike: the loss (computed on the
+last pipeline stage only, flagged across the world after the schedule, never raised inside it), the
+all-reduced gradient norm, and a non-finite weight anywhere.
 """
 
 from __future__ import annotations
@@ -90,12 +95,13 @@ class MegatronPolicy:
         self.config = config
         self.hf = AutoConfig.from_pretrained(model_dir)
         check_model(config, self.hf)
-        model = build_model(
-            self.hf,
-            config,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-        )
+        with cuda_as_cpu():  # tied embeddings over pipeline stages are synced with a hard-coded .cuda()
+            model = build_model(
+                self.hf,
+                config,
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+            )
         load_hf_weights(model, model_dir, self.hf, config)
         self.model = model.to(_device())
         self.optimizer: Any = None  # megatron's (chained) optimizer
@@ -237,8 +243,11 @@ class MegatronPolicy:
     ) -> dict[str, float]:
         """Forward and backward over ``samples``: gradients land in the DDP buffers (``main_grad``).
 
-        Returns the summed loss parts (on the last pipeline stage; empty elsewhere). Arguments as
-        ``torch_backend.train_step``'s, with ``ref`` the frozen reference for the KL loss.
+        Returns the summed loss parts, on every rank. Arguments as ``torch_backend.train_step``'s,
+        with ``ref`` the frozen reference for the KL loss.
+
+        Raises:
+            TrainingDiverged: a micro-batch's loss is not finite, on any rank (gradients cleared).
         """
         inputs: StepInputs = prepare_step(
             samples,
@@ -256,22 +265,27 @@ class MegatronPolicy:
         self.module.train()
         self.module.zero_grad_buffer()
         self.optimizer.zero_grad()
+        non_finite = 0.0  # the first non-finite micro-batch loss on this rank
 
         def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            nonlocal non_finite
             value, parts = micro_batch_loss(
                 config, inputs, samples, item.batch, self._full_vocab(output), ref_log_probs=item.ref_log_probs
             )
-            if not math.isfinite(float(value.detach())):
-                self._refuse(f"loss is {float(value.detach())}")
+            if non_finite == 0.0 and not math.isfinite(float(value.detach())):
+                non_finite = float(value.detach())
             return value * (scale * item.weight), {k: v * item.weight for k, v in parts.items()}
 
         totals: dict[str, float] = {}
         for parts in self._schedule(items, loss, forward_only=False):
             for name, value in parts.items():
                 totals[name] = totals.get(name, 0.0) + value
+        non_finite = _world_sum(non_finite)  # 0 everywhere, or nan/inf on every rank
+        if non_finite != 0.0:
+            self._refuse(f"loss is {non_finite}")
         if parallel_state.get_data_parallel_world_size() > 1:
             totals = _sum_over_replicas(totals)
-        return totals
+        return _from_last_stage(totals)
 
     def apply_gradients(self) -> float:
         """Clip and step; the gradient norm before clipping.
@@ -287,8 +301,9 @@ class MegatronPolicy:
             self.optimizer.step()
         self.optimizer.zero_grad()
         with torch.no_grad():
-            if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
-                raise TrainingDiverged("a weight became non-finite in the optimizer step")
+            broken = sum(not bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        if _world_sum(float(broken)):
+            raise TrainingDiverged("a weight became non-finite in the optimizer step")
         return grad_norm
 
     def train_step(
@@ -304,16 +319,25 @@ class MegatronPolicy:
         started = time.perf_counter()
         totals = self.accumulate_gradients(samples, config, ref=ref, old_log_probs=old_log_probs, advantages=advantages)
         grad_norm = self.apply_gradients()
-        return step_metrics(samples, _from_last_stage(totals), grad_norm, time.perf_counter() - started)
+        return step_metrics(samples, totals, grad_norm, time.perf_counter() - started)
 
     def hf_state(self) -> dict[str, Tensor] | None:
         """The whole model under HF names on global rank 0; None elsewhere."""
         return gather_hf_weights(self.model, self.hf, self.config)
 
 
+def _world_sum(value: float) -> float:
+    """``value`` summed over every rank (itself in a world of one)."""
+    if dist.get_world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(total)
+    return float(total)
+
+
 def _sum_over_replicas(totals: dict[str, float]) -> dict[str, float]:
     names = sorted(totals)
-    values = torch.tensor([totals[n] for n in names], dtype=torch.float64)
+    values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=_device())  # NCCL: on the GPU
     dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
     return dict(zip(names, values.tolist(), strict=True))
 

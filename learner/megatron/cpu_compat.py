@@ -2,7 +2,7 @@
 
 megatron-core assumes a GPU in a handful of places (shared/reference/megatron-core-cpu.md §2-§4):
 rotary embeddings and the attention buffer ask ``torch.cuda.current_device()``, the default causal
-mask is built on ``"cuda"``, activation recompute saves the CUDA generator's state, gradient buffers and the MoE token dispatcher use CUDA streams, and the DDP
+mask is built on ``"cuda"``, activation recompute saves the CUDA generator's state, gradient buffers and the MoE token dispatcher use CUDA streams, pipeline sends synchronise the device, and the DDP
 wrapper, optimizer and pipeline schedules create tensors on ``"cuda"`` and compare ``param.type()``
 with ``"torch.cuda.FloatTensor"``. ``apply_cpu_patches`` fixes the first three for the process;
 ``cuda_as_cpu`` is a ``TorchFunctionMode`` that redirects the rest while it is active. On a CUDA
@@ -78,6 +78,8 @@ def apply_cpu_patches() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.current_stream = lambda device=None: _NO_STREAM  # type: ignore[assignment,misc,return-value]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment,misc]
+    # Pipeline stages synchronise the device around their sends and receives; CPU ops are done already.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     # The dispatcher makes its side stream once, as a class attribute; torch.cuda.Stream itself stays
     # (other libraries use it in annotations).
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM

@@ -19,6 +19,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -197,4 +203,27 @@ def build_model(
     )
     # Before the first forward: RotaryEmbedding.forward caches its result.
     model.rotary_pos_emb.inv_freq = _hf_inv_freq(hf, config.kv_channels)
+    _mark_split_weights(model, config)
     return model
+
+
+def _mark_split_weights(model: GPTModel, config: TransformerConfig) -> None:
+    """Tag each tensor-parallel weight as split, as megatron's weight initialisers do.
+
+    With ``perform_initialization=False`` (every weight comes from the checkpoint) megatron-core 0.16
+    skips the initialisers and with them these tags; the optimizer then takes split weights for
+    copies and counts only tensor rank 0's part in the gradient norm.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        # gated MLPs hold [gate; up] rows per rank (see sharding.py): megatron's stride 2
+        stride = 2 if name.endswith("linear_fc1") and config.gated_linear_unit else 1
+        set_tensor_model_parallel_attributes(weight, True, dim, stride)

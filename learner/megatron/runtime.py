@@ -1,26 +1,58 @@
-"""Process groups for the Megatron backend: one process per device, torchrun's environment or a lone one.
+"""Process groups for the Megatron backend: one process per device.
 
 ``parallel(config, seed=...)`` sets up ``torch.distributed`` (NCCL on GPUs, gloo on the CPU), megatron's
-tensor/pipeline/context/expert groups and its RNG, and tears megatron's groups down on exit. A
-process not started by torchrun is a world of one on a free local port. The process group itself
-stays for the life of the process (tearing gloo down and up again is slow and racy), so later
-``parallel`` blocks reuse it.
+tensor/pipeline/context/expert groups and its RNG, and tears megatron's groups down on exit. The
+world is joined one of three ways:
+
+* ranks started by ``learner.child_process`` (``RENDEZVOUS_ENV`` set): rank 0 serves the store on a
+  port the system picks and publishes it in that file; the other ranks read it and connect;
+* ranks started by torchrun (``WORLD_SIZE`` set, no rendezvous file): ``env://``;
+* any other process: a world of one on an in-memory store (no port to race for, nor to leak to
+  child processes).
+
+The process group itself stays for the life of the process (tearing gloo down and up again is slow
+and racy), so later ``parallel`` blocks reuse it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from learner.child_process import RENDEZVOUS_ENV
 from learner.megatron.config import MegatronConfig
 from learner.megatron.cpu_compat import apply_cpu_patches, define_missing_te_gemm, on_cpu
 
 __all__ = ["parallel", "world_rank"]
+
+
+# How long a rank waits for the others to reach the store (they import megatron first) and for any
+# collective; a stuck world is ended sooner by its launcher's timeout.
+_STORE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _rendezvous_store(path: Path, rank: int, world: int) -> dist.TCPStore:
+    """Rank 0 serves a store on a free port and publishes the port in ``path``; the others connect."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(str(store.port))
+        os.replace(partial, path)  # whole or absent: a reader never sees half a number
+        return store
+    deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish its store in {path} within {_STORE_TIMEOUT}")
+        time.sleep(0.05)
+    return dist.TCPStore("127.0.0.1", int(path.read_text()), world, is_master=False, timeout=_STORE_TIMEOUT)
 
 
 def _init_process_group() -> None:
@@ -28,10 +60,16 @@ def _init_process_group() -> None:
         return
     backend = "gloo" if on_cpu() else "nccl"
     if not on_cpu():
+        # NVLink multicast (NVLS) can take a shared host's GPUs out of service: off unless asked for.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "WORLD_SIZE" in os.environ:  # started by torchrun (or another launcher setting the env://)
+    if RENDEZVOUS_ENV in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _rendezvous_store(Path(os.environ[RENDEZVOUS_ENV]), rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_STORE_TIMEOUT)
+    elif "WORLD_SIZE" in os.environ:  # torchrun (or another launcher setting up env://)
         dist.init_process_group(backend)
-    else:  # a world of one: an in-memory store, no port to race for (nor to leak to child processes)
+    else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 

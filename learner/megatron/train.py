@@ -3,7 +3,8 @@
 The same contract as the torch backend's run: load the base checkpoint, optionally the KL reference,
 take ``num_steps`` optimizer steps over the request's samples (PPO's old log-probs computed once
 before the first when there are several), and export a HF checkpoint in the base's dtype. The actor
-uses ``megatron.for_role("actor")``, the reference ``for_role("reference")``.
+uses ``megatron.for_role("actor")``, the reference ``for_role("reference")``. With several devices
+every rank runs this; global rank 0 gathers the weights and exports.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
+from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.runtime import parallel, world_rank
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_state_dict
 from learner.trainers.child import DEBUG_EXIT_CODE, TrainingRequest
@@ -21,11 +24,14 @@ from learner.trainers.child import DEBUG_EXIT_CODE, TrainingRequest
 __all__ = ["train_megatron"]
 
 
-def train_megatron(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportResult:
+def train_megatron(request: TrainingRequest, metrics: list[dict[str, float]]) -> ExportResult | None:
     """Train as ``request`` says and export; appends one metrics dict per optimizer step to ``metrics``.
 
+    Returns:
+        The export on global rank 0; None on the other ranks.
+
     Raises:
-        TrainingDiverged: a non-finite loss, gradient norm or weight.
+        TrainingDiverged: a non-finite loss, gradient norm or weight (on every rank alike).
         ValueError: a layout that does not fit the model or this process (``MegatronConfig``), or
             periodic evaluation, which scores a transformers model and is not run on this backend.
     """
@@ -33,12 +39,17 @@ def train_megatron(request: TrainingRequest, metrics: list[dict[str, float]]) ->
         raise ValueError("periodic evaluation (eval_every) runs on the torch backend only")
     actor = request.config.megatron.for_role("actor")
     with parallel(actor, seed=request.seed):
+        world = dist.get_world_size()
+        if request.num_threads is None and on_cpu() and world > 1:
+            # The ranks share this machine's cores: torch's default (all of them per rank) oversubscribes.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         settings = OptimizerSettings(request.learning_rate, request.weight_decay, request.config.clip_grad)
         policy = MegatronPolicy(request.base_model_dir, actor, optimizer=settings)
-        if request.debug_fault == "exit":
-            os._exit(DEBUG_EXIT_CODE)
-        if request.debug_fault == "hang":
-            time.sleep(request.timeout_s + 3600)
+        if world_rank() == world - 1:  # the last rank: with several, the others are left in a collective
+            if request.debug_fault == "exit":
+                os._exit(DEBUG_EXIT_CODE)
+            if request.debug_fault == "hang":
+                time.sleep(request.timeout_s + 3600)
         ref = None
         if request.config.loss.kl_loss_coef != 0:
             reference = request.config.megatron.for_role("reference")
@@ -54,7 +65,9 @@ def train_megatron(request: TrainingRequest, metrics: list[dict[str, float]]) ->
                 policy.train_step(samples, request.config, ref=ref, old_log_probs=old_log_probs, advantages=advantages)
             )
         state = policy.hf_state()
-    if state is None or world_rank() != 0:
-        raise RuntimeError("only global rank 0 exports the checkpoint")
+    if world_rank() != 0:
+        return None
+    if state is None:
+        raise RuntimeError("global rank 0 gathered no weights to export")
     dtype = checkpoint_dtype(request.base_model_dir)
     return export_state_dict(state, request.base_model_dir, request.out_dir, dtype=dtype)

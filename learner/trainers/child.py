@@ -6,10 +6,16 @@ touched from here: the checkpoint is a new folder the caller may roll out.
 
 With ``eval_every`` > 0 the child also scores the in-training weights on ``eval_set`` before the
 first step and after every ``eval_every``-th (``learner.evaluation.scoring``): ``evaluations``.
+
+A megatron layout over several devices (``MegatronConfig.devices`` > 1) runs one child per device,
+the ranks of one torch.distributed world (``learner.child_process``): rank 0 writes the outcome and
+the checkpoint; another rank only exits 0 (done, or the same step refused as on rank 0) or fails,
+which fails the run. The layout is checked against the model's config before any process starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,16 +25,20 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
 from learner.algorithms import PolicyLossConfig
 from learner.child_process import run_child, write_outcome
-from learner.evaluation.config import EvalMethod
 from learner.sample import Sample
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
 from learner.trainers.torch_backend import TrainConfig, TrainingDiverged, response_log_probs, train_step
+
+if TYPE_CHECKING:
+    # Imported where used: learner.evaluation's package pulls in the database layer, which the
+    # trainer (and the GPU benchmarks importing it) must not need.
+    from learner.evaluation.config import EvalMethod
 
 __all__ = ["DebugFault", "FailureKind", "TrainingOutcome", "TrainingRequest", "run_training_child"]
 
@@ -43,7 +53,8 @@ class TrainingRequest:
 
     ``debug_fault`` makes the child fail on purpose once the model is loaded, to test failure
     handling end to end: ``"exit"`` ends it with ``os._exit(3)`` (a hard crash, like an OOM kill, with
-    no Python cleanup and no outcome), ``"hang"`` sleeps until the timeout.
+    no Python cleanup and no outcome), ``"hang"`` sleeps until the timeout. In a multi-process run
+    only the last rank does, leaving the others waiting in a collective.
     """
 
     base_model_dir: Path
@@ -65,7 +76,7 @@ class TrainingRequest:
     # Periodic evaluation of the in-training weights (0: none).
     eval_every: int = 0
     eval_set: tuple[Sample, ...] = ()
-    eval_method: EvalMethod = field(default_factory=EvalMethod)
+    eval_method: EvalMethod = field(default_factory=lambda: _eval_method({}))
 
     def __post_init__(self) -> None:
         errors = []
@@ -114,9 +125,15 @@ class TrainingRequest:
             config=TrainConfig(**config),
             advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
             eval_set=tuple(Sample.from_dict(s) for s in data.get("eval_set", ())),
-            eval_method=EvalMethod(**data.get("eval_method", {})),
+            eval_method=_eval_method(data.get("eval_method", {})),
         )
         return cls(**data)
+
+
+def _eval_method(fields: dict[str, Any]) -> EvalMethod:
+    from learner.evaluation.config import EvalMethod
+
+    return EvalMethod(**fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +185,38 @@ class TrainingOutcome:
 
 
 def run_training_child(request: TrainingRequest) -> TrainingOutcome:
-    """Run ``request`` in a fresh Python process and report how it went; never raises for a failed run."""
-    run = run_child("learner.trainers.child", request.to_json(), timeout_s=request.timeout_s, what="training")
+    """Run ``request`` in fresh Python processes (one per device) and report how it went; never raises
+    for a failed run."""
+    processes = 1
+    if request.config.backend == "megatron":
+        misfit = _layout_misfit(request)
+        if misfit is not None:
+            return TrainingOutcome("failed", error=misfit, failure="error")
+        processes = request.config.megatron.devices
+    run = run_child(
+        "learner.trainers.child", request.to_json(), timeout_s=request.timeout_s, what="training", processes=processes
+    )
     if run.outcome is None:
         return TrainingOutcome("failed", error=run.error, failure=run.failure)
     return TrainingOutcome.from_dict(run.outcome)
+
+
+def _layout_misfit(request: TrainingRequest) -> str | None:
+    """Why the megatron layout cannot lay out the base model (heads, layers... per ``check_model``);
+    None when it fits or the config cannot be read here (the child then reports why)."""
+    from transformers import AutoConfig
+
+    from learner.megatron.config import check_model
+
+    try:
+        hf_config = AutoConfig.from_pretrained(request.base_model_dir)
+    except (OSError, ValueError):
+        return None
+    try:
+        check_model(request.config.megatron, hf_config)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return None
 
 
 # child side
@@ -197,7 +241,8 @@ def _periodic_eval(request: TrainingRequest) -> Callable[[torch.nn.Module, int],
 
 def _train(
     request: TrainingRequest, metrics: list[dict[str, float]], evaluations: list[dict[str, float]]
-) -> ExportResult:
+) -> ExportResult | None:
+    """Train and export; None on a megatron rank other than 0 (rank 0 exports)."""
     from transformers import AutoModelForCausalLM  # the parent never needs it
 
     torch.manual_seed(request.seed)
@@ -258,8 +303,12 @@ def main(argv: list[str]) -> int:
     request = TrainingRequest.from_json(request_path.read_text())
     metrics: list[dict[str, float]] = []
     evaluations: list[dict[str, float]] = []
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _other_rank(request, metrics)
     try:
         checkpoint = _train(request, metrics, evaluations)
+        if checkpoint is None:
+            raise RuntimeError("rank 0 exported no checkpoint")
         outcome = TrainingOutcome(
             "succeeded", checkpoint=checkpoint, metrics=tuple(metrics), evaluations=tuple(evaluations)
         )
@@ -273,6 +322,17 @@ def main(argv: list[str]) -> int:
             "failed", metrics=tuple(metrics), error=f"{type(exc).__name__}: {exc}\n{detail}", failure="error"
         )
     write_outcome(request_path, outcome.to_dict())
+    return 0
+
+
+def _other_rank(request: TrainingRequest, metrics: list[dict[str, float]]) -> int:
+    """A rank > 0: trains its part and exits 0; any other error propagates (a traceback, exit 1).
+
+    A refused step exits 0 too: every rank refuses it alike (the checks read all-reduced values) and
+    rank 0 reports it; failing here could end the run before rank 0 has written that report.
+    """
+    with contextlib.suppress(TrainingDiverged):
+        _train(request, metrics, [])
     return 0
 
 
