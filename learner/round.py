@@ -40,7 +40,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
 from learner.debug_batch import save_batch
-from learner.evaluation import EvalFailed, evaluate_candidate, held_out_answers, load_eval_set, split_held_out
+from learner.evaluation import (
+    EvalFailed,
+    evaluate_candidate,
+    held_out_answers,
+    load_eval_set,
+    split_held_out,
+    unscorable,
+)
 from learner.groups import GroupSettings, Scorer, build_groups
 from learner.judge import judge
 from learner.plugins import HookKind
@@ -343,7 +350,8 @@ class _Round:
     def training_request(self, advantages: list[float]) -> TrainingRequest:
         config = self.config
         every = config.evaluation.every_steps
-        eval_set = tuple(self.eval_set()) if every else ()
+        scorable = every and unscorable(self.eval_set(), config.evaluation.method) is None
+        eval_set = tuple(self.eval_set()) if scorable else ()
         return TrainingRequest(
             base_model_dir=self.base_dir,
             out_dir=config.checkpoint_dir / f"v{self.watermark}-{uuid.uuid4().hex[:8]}",
