@@ -40,14 +40,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
 from learner.debug_batch import save_batch
-from learner.evaluation import (
-    EvalFailed,
-    evaluate_candidate,
-    held_out_answers,
-    load_eval_set,
-    split_held_out,
-    unscorable,
-)
+from learner.evaluation import EvalFailed, split_held_out
+from learner.evaluation.scoring import unscorable
+from learner.evaluation.stage import evaluate_candidate, held_out_answers, load_eval_set
 from learner.groups import GroupSettings, Scorer, build_groups
 from learner.judge import judge
 from learner.plugins import HookKind
