@@ -79,12 +79,30 @@ def timed_steps(step: Callable[[], dict[str, float]], warmup: int, steps: int, d
     for _ in range(warmup):
         step()
     _sync(device)
+    if PROFILE:
+        _profile(step, device)
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     for _ in range(steps):
         metrics = step()
     _sync(device)
     return {"s_per_step": (time.perf_counter() - started) / steps, "loss": metrics["loss"]}
+
+
+PROFILE = False  # --profile: print where one step's time goes (torch.profiler) before timing
+
+
+def _profile(step: Callable[[], dict[str, float]], device: str) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+        _sync(device)
+    averages = profiler.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total" if device == "cuda" else None):
+        if key:
+            print(averages.table(sort_by=key, row_limit=20, max_name_column_width=60))
 
 
 def torch_backend(
@@ -127,7 +145,10 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--backends", default="torch,megatron")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step first")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU")
     if args.threads:
