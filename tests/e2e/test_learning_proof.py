@@ -10,7 +10,8 @@ full-suite run, dipped to +0.35 after round 6 (the high learning rate overshoots
 the test averages the scores after rounds 5 and 6 and asks for a rise of 0.4 over the start: it
 fails when learning breaks (a sign error, ratings not reaching the round, the new version not
 served: a rise of 0 +- 0.15), not when one round overshoots. With the evaluation gate's holdout
-(58 of each round's 64 ratings train, give or take), seed 0 rose from +0.04 to +0.64 and +0.81.
+(58 of each round's 64 ratings train, give or take), seed 0 rose from +0.04 to +0.56..+0.64 after
+round 5 and +0.81..+0.88 after round 6 (two runs).
 """
 
 from __future__ import annotations
