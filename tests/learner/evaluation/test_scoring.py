@@ -60,12 +60,16 @@ def test_loglik_margin_is_liked_minus_disliked_mean_token_log_prob(
 ) -> None:
     scores = score_model(model, tokenizer, EVAL_SET, EvalMethod())
     # By hand: the chat template's prompt ids, the answer's ids, mean log-prob of the answer tokens.
+    questions = ["2 + 2?", "2 + 2?", "Say hi."]
     by_hand = [
         Sample(
-            prompt_token_ids=tokenizer.apply_chat_template(s.prompt, add_generation_prompt=True, return_dict=False),
+            prompt_token_ids=tokenizer.encode(
+                str(tokenizer.apply_chat_template(user(question), add_generation_prompt=True, tokenize=False)),
+                add_special_tokens=False,
+            ),
             response_token_ids=tokenizer.encode(s.response, add_special_tokens=False),
         )
-        for s in EVAL_SET[:3]
+        for question, s in zip(questions, EVAL_SET, strict=False)
     ]
     means = [float(lp.mean()) for lp in response_log_probs(model, by_hand, 4096)]
     liked = statistics.fmean([means[0], means[2]])
