@@ -134,8 +134,8 @@ def test_a_rank_that_dies_fails_the_run_and_no_rank_is_left(base_dir: Path, tmp_
 
 
 def test_a_hung_rank_times_out_and_no_rank_is_left(base_dir: Path, tmp_path: Path, marker: str) -> None:
-    hung = request(base_dir, tmp_path / "out", LAYOUTS["pipeline_parallel=2"], debug_fault="hang", timeout_s=15)
+    hung = request(base_dir, tmp_path / "out", LAYOUTS["pipeline_parallel=2"], debug_fault="hang", timeout_s=12)
     outcome = run_training_child(hung)
     assert outcome.status == "failed" and outcome.failure == "timeout", outcome.error
-    assert "15 s timeout" in (outcome.error or "")
+    assert "12 s timeout" in (outcome.error or "")
     assert processes_with(marker) == []
