@@ -2,9 +2,11 @@
 
 megatron-core assumes a GPU in a handful of places (shared/reference/megatron-core-cpu.md §2-§4):
 rotary embeddings and the attention buffer ask ``torch.cuda.current_device()``, the default causal
-mask is built on ``"cuda"``, activation recompute saves the CUDA generator's state, gradient buffers and the MoE token dispatcher use CUDA streams, pipeline sends synchronise the device, and the DDP
-wrapper, optimizer and pipeline schedules create tensors on ``"cuda"`` and compare ``param.type()``
-with ``"torch.cuda.FloatTensor"``. ``apply_cpu_patches`` fixes the first three for the process;
+mask is built on ``"cuda"``, activation recompute saves the CUDA generator's state, gradient
+buffers and the MoE token dispatcher use CUDA streams, pipeline sends synchronise the device, and
+the DDP wrapper, optimizer and pipeline schedules create tensors on ``"cuda"`` and compare
+``param.type()`` with ``"torch.cuda.FloatTensor"``. ``apply_cpu_patches`` fixes the device queries,
+streams, synchronisation, mask and RNG state for the process;
 ``cuda_as_cpu`` is a ``TorchFunctionMode`` that redirects the rest while it is active. On a CUDA
 machine both do nothing, so the GPU path runs megatron-core unchanged.
 """

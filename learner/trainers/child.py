@@ -31,6 +31,7 @@ import torch
 
 from learner.algorithms import PolicyLossConfig
 from learner.child_process import run_child, write_outcome
+from learner.megatron.config import check_model
 from learner.sample import Sample
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
 from learner.trainers.torch_backend import TrainConfig, TrainingDiverged, response_log_probs, train_step
@@ -205,8 +206,6 @@ def _layout_misfit(request: TrainingRequest) -> str | None:
     """Why the megatron layout cannot lay out the base model (heads, layers... per ``check_model``);
     None when it fits or the config cannot be read here (the child then reports why)."""
     from transformers import AutoConfig
-
-    from learner.megatron.config import check_model
 
     try:
         hf_config = AutoConfig.from_pretrained(request.base_model_dir)
