@@ -105,10 +105,8 @@ def _start(module: str, request_path: Path, processes: int) -> list[_Rank]:
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=out,
+                    # The caller's process group: a worker killed with its group takes every rank with it.
                     env=env,
-                    # One process group for every rank (rank 0's pid), apart from the caller's: killing
-                    # it reaches each rank and whatever a rank started.
-                    process_group=0 if rank == 0 else ranks[0].process.pid,
                 )
             ranks.append(_Rank(rank, process, log))
     except BaseException:
@@ -153,12 +151,11 @@ def _exit_code(pid: int) -> int | None:
 
 
 def _kill(ranks: list[_Rank]) -> None:
-    """Kill the ranks' process group, then reap every rank. Rank 0 is not reaped before: while it is at
-    least a zombie its pid, the group's id, cannot be given to another process."""
-    if not ranks:
-        return
-    with contextlib.suppress(ProcessLookupError):  # the group is empty: everything has exited
-        os.killpg(ranks[0].process.pid, signal.SIGKILL)
+    """Kill every rank, then reap them (no rank is reaped before all are killed: an unreaped pid cannot
+    be reused, so no other process is ever signalled)."""
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):  # it already exited
+            rank.process.send_signal(signal.SIGKILL)
     for rank in ranks:
         rank.process.wait()
 
