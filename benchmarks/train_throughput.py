@@ -141,7 +141,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="token cap per micro-batch; 0: --seq")
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=0, help="token cap per micro-batch; 0: the whole batch in one"
+    )
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--backends", default="torch,megatron")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
@@ -155,7 +157,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     tokens_per_step = args.batch * args.seq
-    config = TrainConfig(max_tokens_per_micro_batch=args.micro_batch_tokens or args.seq)
+    config = TrainConfig(max_tokens_per_micro_batch=args.micro_batch_tokens or tokens_per_step)
     samples = make_samples(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
     report: dict[str, Any] = {k: getattr(args, k) for k in ("shape", "batch", "seq", "steps", "dtype", "device")}
     report["micro_batch_tokens"] = config.max_tokens_per_micro_batch

@@ -33,10 +33,10 @@ __all__ = [
     "MicroBatch",
     "PackedMicroBatch",
     "PackingError",
+    "PaddedRows",
     "apply_assistant_loss_mask",
     "apply_dynamic_filter",
     "assistant_loss_mask",
-    "block_causal_mask",
     "call_buffer_filter",
     "call_dynamic_filter",
     "check_reward_nonzero_std",
@@ -44,6 +44,7 @@ __all__ = [
     "collate_micro_batch",
     "pack_micro_batches",
     "pack_samples",
+    "padded_rows",
     "segment_masked_mean",
     "sequence_loss_mask",
     "should_drop_dynamic_filter_output",
@@ -410,12 +411,27 @@ def segment_masked_mean(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: to
     return sums / counts.clamp(min=1)
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[T, T]`` bool attention mask: token i sees token j iff same sample and j <= i.
+@dataclass(frozen=True, slots=True)
+class PaddedRows:
+    """A packed row laid out one sample per row, right-padded, for models that take ``[B, L]`` batches.
 
-    For attention without varlen kernels (CPU, SDPA): packed attention then equals each sample's own.
+    Under plain causal attention a right-padded row is exact: no real token sees the padding after
+    it. So no ``[T, T]`` block mask is needed and attention runs its fused causal kernel.
     """
-    segments = segment_ids(cu_seqlens)
-    total = segments.numel()
-    causal = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).tril()
-    return causal & (segments[:, None] == segments[None, :])
+
+    input_ids: torch.Tensor  # [B, L]; padding 0
+    position_ids: torch.Tensor  # [B, L]; counting on through the padding (a restart would read as a new sample)
+    token_index: torch.Tensor | None  # [T]: where each packed token sits in the flattened [B * L]; None: no padding
+
+
+def padded_rows(batch: PackedMicroBatch) -> PaddedRows:
+    """``batch``'s samples as right-padded rows; ``flat[token_index]`` maps ``[B * L, ...]`` back to packed."""
+    lengths = batch.cu_seqlens.diff().tolist()
+    longest = max(lengths)
+    positions = torch.arange(longest).expand(len(lengths), longest)
+    if all(length == longest for length in lengths):
+        return PaddedRows(batch.input_ids.view(len(lengths), longest), positions, None)
+    ids = torch.zeros(len(lengths), longest, dtype=batch.input_ids.dtype)
+    keep = positions < torch.tensor(lengths)[:, None]
+    ids[keep] = batch.input_ids  # row-major order of ``keep`` is the packed order
+    return PaddedRows(ids, positions, keep.flatten().nonzero()[:, 0])

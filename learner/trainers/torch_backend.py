@@ -9,7 +9,6 @@ batch's.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.algorithms import entropy_from_logits
-from learner.batching import PackedMicroBatch, block_causal_mask, collate_micro_batch, pack_samples
+from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
 from learner.sample import Sample
 from learner.trainers.step_loss import (
     compute_advantages,
@@ -46,21 +45,17 @@ __all__ = [
 
 
 def _forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
-    """``[T, V]`` logits of the packed row, each sample attending only to itself."""
+    """``[T, V]`` logits of the packed row, each sample attending only to itself.
+
+    The samples go in as one right-padded ``[B, L]`` batch under the model's own causal mask: one
+    forward for the micro-batch, and SDPA keeps its fused causal kernel (a packed row would need a
+    ``[T, T]`` block mask, which rules the flash kernel out).
+    """
     device = next(model.parameters()).device
-    ids, positions = batch.input_ids.to(device), batch.position_ids.to(device)
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        # SDPA takes a boolean 4-D mask as is: one forward for the whole row.
-        mask = block_causal_mask(batch.cu_seqlens.to(device))[None, None]
-        return model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask).logits[0]
-    # Eager attention adds the mask to the scores (a bool mask would be wrong): one sample at a time.
-    bounds = batch.cu_seqlens.tolist()
-    return torch.cat(
-        [
-            model(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0]
-            for a, b in itertools.pairwise(bounds)
-        ]
-    )
+    rows = padded_rows(batch)
+    logits = model(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device)).logits
+    flat = logits.flatten(0, 1)
+    return flat if rows.token_index is None else flat.index_select(0, rows.token_index.to(device))
 
 
 def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from learner.algorithms.advantages import segment_ids
 from learner.algorithms.losses import sample_mean
 from learner.batching import (
     DynamicFilterOutput,
@@ -19,7 +20,6 @@ from learner.batching import (
     apply_assistant_loss_mask,
     apply_dynamic_filter,
     assistant_loss_mask,
-    block_causal_mask,
     call_buffer_filter,
     call_dynamic_filter,
     check_reward_nonzero_std,
@@ -27,6 +27,7 @@ from learner.batching import (
     collate_micro_batch,
     pack_micro_batches,
     pack_samples,
+    padded_rows,
     segment_masked_mean,
     sequence_loss_mask,
     should_drop_dynamic_filter_output,
@@ -334,6 +335,13 @@ class TinyLM(torch.nn.Module):
         return self.head(h)
 
 
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T, T]`` bool mask: token i sees token j iff same sample and j <= i (packed attention, exactly)."""
+    segments = segment_ids(cu_seqlens)
+    causal = torch.ones(segments.numel(), segments.numel(), dtype=torch.bool).tril()
+    return causal & (segments[:, None] == segments[None, :])
+
+
 def token_nll(model: TinyLM, ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Per-token loss of predicting token t from the logits at t - 1 (0 at position 0)."""
     logp = torch.log_softmax(model(ids, positions, attn)[:-1], dim=-1)
@@ -394,3 +402,25 @@ def test_without_the_block_mask_packing_would_leak_between_samples() -> None:
 def test_block_causal_mask() -> None:
     mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32))
     assert mask.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+
+
+def test_padded_rows_lay_each_sample_in_its_own_row_and_map_back() -> None:
+    samples = [
+        Sample(prompt_token_ids=[1, 2], response_token_ids=[3]),
+        Sample(prompt_token_ids=[4], response_token_ids=[5, 6, 7, 8]),
+        Sample(prompt_token_ids=[9], response_token_ids=[10]),
+    ]
+    packed = collate_micro_batch(samples, MicroBatch((1, 0, 2), (0, 5, 8, 10)))
+    rows = padded_rows(packed)
+    assert rows.input_ids.tolist() == [[4, 5, 6, 7, 8], [1, 2, 3, 0, 0], [9, 10, 0, 0, 0]]
+    assert rows.position_ids.tolist() == [list(range(5))] * 3  # counting on through the padding
+    assert rows.token_index is not None
+    assert rows.input_ids.flatten()[rows.token_index].tolist() == packed.input_ids.tolist()
+
+    equal = [
+        Sample(prompt_token_ids=[9], response_token_ids=[10]),
+        Sample(prompt_token_ids=[11], response_token_ids=[12]),
+    ]
+    same_length = padded_rows(collate_micro_batch(equal, MicroBatch((0, 1), (0, 2, 4))))
+    assert same_length.input_ids.tolist() == [[9, 10], [11, 12]]
+    assert same_length.token_index is None  # no padding: the rows flattened are the packed row

@@ -39,7 +39,7 @@ def test_packed_equals_unpacked_per_sample(model: PreTrainedModel) -> None:
     assert log_probs.shape == batch.loss_mask.shape
 
 
-def test_eager_attention_runs_samples_one_by_one_with_the_same_result(base_dir: Path, model: PreTrainedModel) -> None:
+def test_eager_attention_gives_the_sdpa_result(base_dir: Path, model: PreTrainedModel) -> None:
     samples = random_samples(5, seed=1)
     batch = collate_micro_batch(samples, pack_samples(samples, 4096)[0])
     with torch.no_grad():
