@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,14 @@ class _Item:
     batch: PackedMicroBatch
     weight: float = 1.0
     ref_log_probs: Tensor | None = None
+
+
+class _StepArgs(TypedDict, total=False):
+    """``train_step``'s optional inputs, passed on to ``accumulate_gradients``."""
+
+    ref: MegatronPolicy | None
+    old_log_probs: Sequence[Tensor | None] | None
+    advantages: Tensor | None
 
 
 def _device() -> torch.device:
@@ -306,18 +314,11 @@ class MegatronPolicy:
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
         return grad_norm
 
-    def train_step(
-        self,
-        samples: Sequence[Sample],
-        config: TrainConfig,
-        *,
-        ref: MegatronPolicy | None = None,
-        old_log_probs: Sequence[Tensor | None] | None = None,
-        advantages: Tensor | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step over ``samples``: ``torch_backend.train_step``'s contract and metrics."""
+    def train_step(self, samples: Sequence[Sample], config: TrainConfig, **step: Unpack[_StepArgs]) -> dict[str, float]:
+        """One optimizer step over ``samples``: ``torch_backend.train_step``'s contract and metrics;
+        ``step`` as ``accumulate_gradients``'s keywords."""
         started = time.perf_counter()
-        totals = self.accumulate_gradients(samples, config, ref=ref, old_log_probs=old_log_probs, advantages=advantages)
+        totals = self.accumulate_gradients(samples, config, **step)
         grad_norm = self.apply_gradients()
         return step_metrics(samples, totals, grad_norm, time.perf_counter() - started)
 
