@@ -117,17 +117,23 @@ def _mlp_pairs(hf: Any, family: Family, layer: int) -> list[tuple[str, str]]:
     return [("mlp.", "mlp.")]
 
 
-def _layer_plan(hf: Any, layer: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """This layer's plain renames and its gated MLPs, as full names."""
-    family = family_of(hf)
+_Pairs = list[tuple[str, str]]  # (megatron name, HF name)
+
+
+def _layer_plan(hf: Any, family: Family, layer: int) -> tuple[_Pairs, _Pairs, _Pairs]:
+    """This layer's plain renames, fused QKV tensors (the HF name with ``{}`` for q, k, v) and gated
+    MLPs (prefixes), as full names."""
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     renames = list(_LAYER_RENAMES) + (list(_QK_NORM_RENAMES) if family.qk_norm else [])
     if family.moe and moe_layer_pattern(hf)[layer]:
         renames.append(("mlp.router.weight", "mlp.gate.weight"))
-    return [(m + a, h + b) for a, b in renames], [(m + a, h + b) for a, b in _mlp_pairs(hf, family, layer)]
+    kinds = ("weight", "bias") if family.qkv_bias(hf) else ("weight",)
+    qkv = [(f"{m}self_attention.linear_qkv.{kind}", f"{h}self_attn.{{}}_proj.{kind}") for kind in kinds]
+    mlps = [(m + a, h + b) for a, b in _mlp_pairs(hf, family, layer)]
+    return [(m + a, h + b) for a, b in renames], qkv, mlps
 
 
-def _global_renames(hf: Any) -> list[tuple[str, str]]:
+def _global_renames(hf: Any) -> _Pairs:
     renames = [
         ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
         ("decoder.final_layernorm.weight", "model.norm.weight"),
@@ -137,6 +143,16 @@ def _global_renames(hf: Any) -> list[tuple[str, str]]:
     return renames
 
 
+def _plan(hf: Any) -> list[tuple[_Pairs, _Pairs, _Pairs]]:
+    """The whole model as ``_layer_plan``s, in HF order: the global renames, then each layer.
+
+    Raises:
+        UnsupportedModel: an unknown family.
+    """
+    family = family_of(hf)
+    return [(_global_renames(hf), [], [])] + [_layer_plan(hf, family, i) for i in range(hf.num_hidden_layers)]
+
+
 def to_megatron(state: Mapping[str, Tensor], hf: Any) -> dict[str, Tensor]:
     """The whole-model megatron state dict for HF tensors ``state`` of a model with config ``hf``.
 
@@ -144,16 +160,10 @@ def to_megatron(state: Mapping[str, Tensor], hf: Any) -> dict[str, Tensor]:
         UnsupportedModel: an unknown family.
         KeyError: a tensor the family needs is missing from ``state``.
     """
-    family = family_of(hf)
-    out = {m: state[h] for m, h in _global_renames(hf)}
-    bias = family.qkv_bias(hf)
-    for layer in range(hf.num_hidden_layers):
-        renames, mlps = _layer_plan(hf, layer)
+    out: dict[str, Tensor] = {}
+    for renames, qkv, mlps in _plan(hf):
         out |= {m: state[h] for m, h in renames}
-        m, h = f"decoder.layers.{layer}.self_attention.linear_qkv.", f"model.layers.{layer}.self_attn."
-        for kind in ("weight", "bias") if bias else ("weight",):
-            q, k, v = (state[f"{h}{p}_proj.{kind}"] for p in "qkv")
-            out[m + kind] = _fuse_qkv(q, k, v, hf)
+        out |= {m: _fuse_qkv(*(state[h.format(p)] for p in "qkv"), hf) for m, h in qkv}
         for m, h in mlps:
             out[m + "linear_fc1.weight"] = torch.cat([state[h + "gate_proj.weight"], state[h + "up_proj.weight"]])
             out[m + "linear_fc2.weight"] = state[h + "down_proj.weight"]
@@ -170,16 +180,12 @@ def to_hf(state: Mapping[str, Tensor], hf: Any) -> dict[str, Tensor]:
         UnsupportedModel: an unknown family.
         KeyError: a tensor the family needs is missing from ``state``.
     """
-    family = family_of(hf)
-    out = {h: state[m] for m, h in _global_renames(hf)}
-    bias = family.qkv_bias(hf)
-    for layer in range(hf.num_hidden_layers):
-        renames, mlps = _layer_plan(hf, layer)
+    out: dict[str, Tensor] = {}
+    for renames, qkv, mlps in _plan(hf):
         out |= {h: state[m] for m, h in renames}
-        m, h = f"decoder.layers.{layer}.self_attention.linear_qkv.", f"model.layers.{layer}.self_attn."
-        for kind in ("weight", "bias") if bias else ("weight",):
-            for p, tensor in zip("qkv", _split_qkv(state[m + kind], hf), strict=True):
-                out[f"{h}{p}_proj.{kind}"] = tensor.clone()  # its own storage: safetensors refuses views
+        for m, h in qkv:
+            for p, tensor in zip("qkv", _split_qkv(state[m], hf), strict=True):
+                out[h.format(p)] = tensor.clone()  # its own storage: safetensors refuses views
         for m, h in mlps:
             gate, up = state[m + "linear_fc1.weight"].chunk(2)
             out |= {
