@@ -159,17 +159,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors checkpoint folder (one file or shards)."""
+def read_checkpoint(path: Path, *, error: type[Exception] = DeltaError) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint folder (one file or shards).
+
+    Raises:
+        error: no safetensors file, or an unreadable one (``DeltaError`` unless the caller names its own).
+    """
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise DeltaError(f"{path}: no *.safetensors files")
+        raise error(f"{path}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             tensors.update(load_file(file))
         except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise DeltaError(f"{file}: unreadable checkpoint: {exc}") from exc
+            raise error(f"{file}: unreadable checkpoint: {exc}") from exc
     return tensors
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from server.weight_delta import tensor_sha256
+from server.weight_delta import read_checkpoint, tensor_sha256
 
 
 class WeightLoadError(ValueError):
@@ -28,16 +27,7 @@ def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedMode
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint folder (single or sharded safetensors)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file))
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise WeightLoadError(f"{file}: unreadable checkpoint: {exc}") from exc
-    return tensors
+    return read_checkpoint(path, error=WeightLoadError)
 
 
 def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
