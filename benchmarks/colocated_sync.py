@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -33,33 +32,21 @@ from typing import Any
 import httpx
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from benchmarks.common import console, free_port, start
+from benchmarks.common import console, start_engine
+from benchmarks.random_model import random_qwen2
 from server.engines.tensor_ipc import serialize_named_tensors
 from server.weight_delta import tensor_sha256
 from tests.fixtures.tiny_model import tiny_model_path
 
-# Qwen2.5's published configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings).
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 2048, "tie_word_embeddings": False},
-    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-}  # fmt: skip
+SHAPES = {"tiny": "tiny", "qwen2.5-0.5b": "0.5b", "qwen2.5-1.5b": "1.5b"}  # --shape: benchmarks.random_model's
 DTYPE = torch.bfloat16
 
 
 def build_model(shape: str, device: str, folder: Path) -> dict[str, torch.Tensor]:
-    """Write a random model of ``shape`` to ``folder`` (config, weights, tiny tokenizer); its weights on ``device``."""
-    rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_parameters=rope)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(DTYPE)
-    model.save_pretrained(folder)
+    """Write a random model of ``shape`` (``benchmarks.random_model``) to ``folder`` (config, weights,
+    tiny tokenizer); its weights on ``device``."""
+    model = random_qwen2(shape, folder, dtype=DTYPE, device=device, max_positions=4096)
     tokenizer = tiny_model_path()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer / name).is_file():
@@ -138,20 +125,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-colocated-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        tensors = build_model(args.shape, args.device, model)
+        tensors = build_model(SHAPES[args.shape], args.device, model)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         console.print(f"{args.shape}: {len(tensors)} tensors, {size / 1e9:.2f} GB ({DTYPE}) on {args.device}")
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "TANDEM_DATA_DIR": str(work / "engine"),
-            "TANDEM_DEVICE": args.device,
-            "TANDEM_DTYPE": str(DTYPE).removeprefix("torch."),
-            "TANDEM_TORCH_THREADS": str(args.threads),
-            "TANDEM_LOG_LEVEL": "WARNING",
-        }
-        engine = start(["engine", "--model", str(model), "--port", str(port)], env, f"{url}/model_info")
+        engine, url = start_engine(model, work / "engine", args.device, DTYPE, args.threads)
         ipc, save, load = [], [], []
         try:
             with httpx.Client(timeout=600) as http:

@@ -98,3 +98,20 @@ def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[by
             time.sleep(0.3)
     process.kill()
     raise RuntimeError(f"tandem {args[0]} did not answer {url} within 300 s; log: {log}")
+
+
+def start_engine(
+    model: Path, data_dir: Path, device: str, dtype: torch.dtype, threads: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `tandem engine` serving ``model`` on ``device`` in ``dtype``; the process and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "TANDEM_DATA_DIR": str(data_dir),
+        "TANDEM_DEVICE": device,
+        "TANDEM_DTYPE": str(dtype).removeprefix("torch."),
+        "TANDEM_TORCH_THREADS": str(threads),
+        "TANDEM_LOG_LEVEL": "WARNING",
+    }
+    return start(["engine", "--model", str(model), "--port", str(port)], env, f"{url}/model_info"), url

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.train_throughput import SHAPES, make_samples, timed_steps
+from benchmarks.random_model import SHAPES
+from benchmarks.train_throughput import make_samples, timed_steps
 from learner.child_process import write_outcome
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
 from learner.megatron.config import MegatronConfig

@@ -1,6 +1,6 @@
 """The megatron backend's training step under parallel layouts, against one device on the same batch.
 
-Builds a random Qwen2 of the chosen shape (``benchmarks.train_throughput``'s shapes), then runs each
+Builds a random Qwen2 of the chosen shape (``benchmarks.random_model``'s shapes), then runs each
 layout in ``--layouts`` as its own world of ranks, one process per device, started the way the
 training child starts them (``learner.child_process``: NCCL on GPUs, gloo on the CPU; the ranks run
 ``benchmarks.parallel_rank``). Each layout
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.train_throughput import DTYPES, SHAPES, build_checkpoint
+from benchmarks.random_model import SHAPES
+from benchmarks.train_throughput import DTYPES, build_checkpoint
 from learner.child_process import run_child
 from learner.megatron.config import MegatronConfig
 

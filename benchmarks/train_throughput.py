@@ -28,30 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
+from benchmarks.random_model import SHAPES, random_qwen2
 from learner.sample import Sample
 from learner.trainers import TrainConfig
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 2048, "tie_word_embeddings": False},
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-}  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_checkpoint(shape: str, dtype: torch.dtype, folder: Path) -> int:
     """A random Qwen2 of ``shape`` saved in ``folder``; its parameter count."""
-    rope = {"rope_type": "default", "rope_theta": 1e6}
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_parameters=rope, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in random_qwen2(shape, folder, dtype=dtype).parameters())
 
 
 def make_samples(batch: int, seq: int, vocab: int) -> list[Sample]:

@@ -39,12 +39,11 @@ import httpx
 import torch
 
 from benchmarks.colocated_sync import DTYPE, build_model, check_served, handoff_disk, new_version, sync
-from benchmarks.common import console, free_port, start
+from benchmarks.common import console, start_engine
+from benchmarks.random_model import SHAPES
 from learner.weight_broadcast import BroadcastConfig, EngineTarget, WeightBroadcaster
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # before any NCCL communicator exists in this process
-
-SHAPES = {"tiny": "tiny", "0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,19 +82,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-broadcast-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        tensors = build_model(SHAPES[args.shape], args.device, model)
+        tensors = build_model(args.shape, args.device, model)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         console.print(f"{args.shape}: {len(tensors)} tensors, {size / 1e9:.2f} GB ({DTYPE}), {args.backend}")
-        url = f"http://127.0.0.1:{free_port()}"
-        env = {
-            **os.environ,
-            "TANDEM_DATA_DIR": str(work / "engine"),
-            "TANDEM_DEVICE": args.engine_device,
-            "TANDEM_DTYPE": str(DTYPE).removeprefix("torch."),
-            "TANDEM_TORCH_THREADS": str(args.threads),
-            "TANDEM_LOG_LEVEL": "WARNING",
-        }
-        engine = start(["engine", "--model", str(model), "--port", url.rsplit(":", 1)[1]], env, f"{url}/model_info")
+        engine, url = start_engine(model, work / "engine", args.engine_device, DTYPE, args.threads)
         config = BroadcastConfig(backend=args.backend, bucket_bytes=args.bucket_mb << 20, timeout_s=600)
         sends: list[dict[str, Any]] = []
         save: list[float] = []
