@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
@@ -115,3 +115,32 @@ def start_engine(
         "TANDEM_LOG_LEVEL": "WARNING",
     }
     return start(["engine", "--model", str(model), "--port", str(port)], env, f"{url}/model_info"), url
+
+
+class Served(NamedTuple):
+    """A `tandem serve` started by ``serve``."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    database_url: str
+    api_key: str  # a tenant's, for the simulated users
+
+
+def serve(model: str, workdir: Path, admin_key: str, threads: int) -> Served:
+    """Start `tandem serve` of ``model`` (``model_path``) on SQLite in ``workdir``, its learner worker
+    off: the benchmark runs the rounds itself."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "TANDEM_DATA_DIR": str(workdir),
+        "TANDEM_MODEL": str(model_path(model)),
+        "TANDEM_PORT": str(port),
+        "TANDEM_ADMIN_KEY": admin_key,
+        "TANDEM_LEARNER": "off",
+        "TANDEM_TORCH_THREADS": str(threads),
+        "TANDEM_LOG_LEVEL": "WARNING",
+    }
+    database_url = f"sqlite:///{workdir / 'tandem.db'}"
+    api_key = tenant_key(database_url)
+    return Served(start(["serve"], env, f"{url}/health"), url, database_url, api_key)

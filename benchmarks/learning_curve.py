@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from benchmarks.common import console, free_port, model_path, start, tenant_key
+from benchmarks.common import console, serve
 from benchmarks.simulated_users import BrevityPreference, LetterPreference, Population, Preference, evaluate, questions
 from learner.evaluation import EvalConfig
 from learner.judge import JudgeConfig
@@ -45,21 +44,7 @@ PREFERENCES: dict[str, tuple[Preference, str]] = {
 
 def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> dict[str, Any]:
     preference, plugin = PREFERENCES[args.preference]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "TANDEM_DATA_DIR": str(workdir),
-        "TANDEM_MODEL": str(model_path(args.model)),
-        "TANDEM_PORT": str(port),
-        "TANDEM_ADMIN_KEY": ADMIN_KEY,
-        "TANDEM_LEARNER": "off",
-        "TANDEM_TORCH_THREADS": str(args.threads),
-        "TANDEM_LOG_LEVEL": "WARNING",
-    }
-    database_url = f"sqlite:///{workdir / 'tandem.db'}"
-    api_key = tenant_key(database_url)
-    server = start(["serve"], env, f"{url}/health")
+    server, url, database_url, api_key = serve(args.model, workdir, ADMIN_KEY, args.threads)
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=600)
         model = client.models.list().data[0].id

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from openai import OpenAI
 
-from benchmarks.common import console, free_port, model_path, start, tenant_key
+from benchmarks.common import console, serve
 from benchmarks.simulated_users import BrevityPreference, Population
 from learner.evaluation import EvalConfig
 from learner.round import RoundConfig, run_round
@@ -155,20 +154,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tandem-delta-") as tmp:
         workdir = Path(tmp)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "TANDEM_DATA_DIR": str(workdir),
-            "TANDEM_MODEL": str(model_path(args.model)),
-            "TANDEM_PORT": str(port),
-            "TANDEM_ADMIN_KEY": ADMIN_KEY,
-            "TANDEM_TORCH_THREADS": str(args.threads),
-            "TANDEM_LOG_LEVEL": "WARNING",
-        }
-        database_url = f"sqlite:///{workdir / 'tandem.db'}"
-        api_key = tenant_key(database_url)
-        server = start(["serve"], env, f"{url}/health")
+        server, url, database_url, api_key = serve(args.model, workdir, ADMIN_KEY, args.threads)
         try:
             api = ServerApi(url, ADMIN_KEY, 600)
             client = OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=600)
