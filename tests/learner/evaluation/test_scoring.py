@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from learner.evaluation import EvalFailed, EvalMethod, run_eval_child
 from learner.evaluation.scoring import score_model, unscorable
@@ -16,21 +14,14 @@ from learner.plugins import PluginError
 from learner.sample import Sample
 from learner.trainers import response_log_probs
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
+from tests.learner.trainers.conftest import load_tiny, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 FNS = "tests.learner.evaluation.eval_fns"
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    return load_tiny(tiny_model_path())
 
 
 @pytest.fixture(scope="module")
