@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -21,6 +22,9 @@ from storage import create_api_key, make_engine, make_session_factory
 from storage.migrate import upgrade
 from tandem.models import resolve_model
 from tandem.settings import Settings
+
+if TYPE_CHECKING:
+    from learner.round import RoundConfig
 
 console = Console(stderr=True)
 
@@ -117,13 +121,38 @@ def start_engine(
     return start(["engine", "--model", str(model), "--port", str(port)], env, f"{url}/model_info"), url
 
 
-class Served(NamedTuple):
-    """A `tandem serve` started by ``serve``."""
+@dataclass(frozen=True)
+class Served:
+    """A `tandem serve` started by ``serve``: SQLite in ``workdir``, its learner worker off."""
 
     process: subprocess.Popen[bytes]
     url: str
+    admin_key: str
     database_url: str
     api_key: str  # a tenant's, for the simulated users
+    workdir: Path
+    threads: int
+
+    def round_config(self, learning_rate: float, **settings: Any) -> RoundConfig:
+        """A round the benchmark runs itself against this server, checkpoints in its data dir; every
+        rating trains and every round rolls out (the evaluation gate off). ``settings``: the rest."""
+        from learner.evaluation import EvalConfig
+        from learner.round import RoundConfig
+
+        return RoundConfig(
+            server_url=self.url,
+            admin_key=self.admin_key,
+            database_url=self.database_url,
+            checkpoint_dir=self.workdir / "checkpoints",
+            learning_rate=learning_rate,
+            num_threads=self.threads,
+            evaluation=EvalConfig(gate="off"),
+            **settings,
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
 
 
 def serve(model: str, workdir: Path, admin_key: str, threads: int) -> Served:
@@ -143,4 +172,5 @@ def serve(model: str, workdir: Path, admin_key: str, threads: int) -> Served:
     }
     database_url = f"sqlite:///{workdir / 'tandem.db'}"
     api_key = tenant_key(database_url)
-    return Served(start(["serve"], env, f"{url}/health"), url, database_url, api_key)
+    process = start(["serve"], env, f"{url}/health")
+    return Served(process, url, admin_key, database_url, api_key, workdir, threads)

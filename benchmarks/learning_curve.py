@@ -27,10 +27,9 @@ from openai import OpenAI
 
 from benchmarks.common import console, serve
 from benchmarks.simulated_users import BrevityPreference, LetterPreference, Population, Preference, evaluate, questions
-from learner.evaluation import EvalConfig
 from learner.judge import JudgeConfig
 from learner.rollout import RolloutConfig
-from learner.round import STAGES, RoundConfig, run_round
+from learner.round import STAGES, run_round
 from learner.round_settings import train_config
 from tandem.settings import Settings
 
@@ -44,26 +43,21 @@ PREFERENCES: dict[str, tuple[Preference, str]] = {
 
 def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> dict[str, Any]:
     preference, plugin = PREFERENCES[args.preference]
-    server, url, database_url, api_key = serve(args.model, workdir, ADMIN_KEY, args.threads)
+    server = serve(args.model, workdir, ADMIN_KEY, args.threads)
     try:
-        client = OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=600)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, timeout=600)
         model = client.models.list().data[0].id
         population = Population.make(preference, size=8, seed=seed)
         held_out = questions(args.eval_prompts, seed=seed + 1000)
-        config = RoundConfig(
-            server_url=url,
-            admin_key=ADMIN_KEY,
-            database_url=database_url,
-            checkpoint_dir=workdir / "checkpoints",
-            learning_rate=args.lr,
-            num_threads=args.threads,
-            reward=reward,  # type: ignore[arg-type]
+        # Every rating trains and every round rolls out (round_config), as the curves in BENCHMARKS.md
+        # were measured.
+        config = server.round_config(
+            args.lr,
+            reward=reward,
             reward_path=plugin if reward == "custom" else None,
             rollout=RolloutConfig(n_samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_tokens),
             judge=JudgeConfig(max_tokens=args.judge_max_tokens),
             train_config=train_config(Settings(learn_kl_coef=args.kl)),
-            # Every rating trains and every round rolls out, as the curves in BENCHMARKS.md were measured.
-            evaluation=EvalConfig(gate="off"),
         )
 
         def fresh() -> float:
@@ -90,8 +84,7 @@ def one_run(args: argparse.Namespace, reward: str, seed: int, workdir: Path) -> 
             "answers": {"before": first, "after": answers(client, model)},
         }
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
 
 
 def answers(client: OpenAI, model: str, count: int = 3) -> list[dict[str, str]]:

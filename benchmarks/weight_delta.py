@@ -33,8 +33,7 @@ from openai import OpenAI
 
 from benchmarks.common import console, serve
 from benchmarks.simulated_users import BrevityPreference, Population
-from learner.evaluation import EvalConfig
-from learner.round import RoundConfig, run_round
+from learner.round import run_round
 from learner.server_api import ServerApi
 from server.engines.local.engine import LocalEngine
 from server.weight_delta import WeightDelta, read_checkpoint, tensor_sha256, write_delta
@@ -154,21 +153,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tandem-delta-") as tmp:
         workdir = Path(tmp)
-        server, url, database_url, api_key = serve(args.model, workdir, ADMIN_KEY, args.threads)
+        server = serve(args.model, workdir, ADMIN_KEY, args.threads)
         try:
-            api = ServerApi(url, ADMIN_KEY, 600)
-            client = OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=600)
+            api = ServerApi(server.url, ADMIN_KEY, 600)
+            client = OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, timeout=600)
             model = client.models.list().data[0].id
             population = Population.make(BrevityPreference(), size=8, seed=0)
-            config = RoundConfig(
-                server_url=url,
-                admin_key=ADMIN_KEY,
-                database_url=database_url,
-                checkpoint_dir=workdir / "checkpoints",
-                learning_rate=args.lr,
-                num_threads=args.threads,
-                evaluation=EvalConfig(gate="off"),  # every round rolls out: its delta is what is measured
-            )
+            config = server.round_config(args.lr)  # every round rolls out: its delta is what is measured
             rounds, version, checkpoint = [], "", ""
             for index in range(args.rounds):
                 serving = api.serving()
@@ -194,8 +185,7 @@ def main() -> None:
             if api.serving()["weight_version"] != version:
                 raise RuntimeError("the server does not serve the delta's version")
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"weight_delta_{Path(args.model).name}"
