@@ -40,6 +40,7 @@ from tandem.weight_update_group import (
     broadcast_tensors,
     close_update_group,
     dtype_name,
+    group_name_taken,
     open_update_group,
 )
 
@@ -139,6 +140,7 @@ class WeightBroadcaster:
         self._http = httpx.Client(timeout=self.config.timeout_s)
         self._threads = concurrent.futures.ThreadPoolExecutor(len(self.engines) + 1, thread_name_prefix="broadcast")
         self._group: Any = None
+        self._opening: concurrent.futures.Future[Any] | None = None  # our join, until close
         self._joined = False  # engines were asked to join: they must be asked to leave
         self._broken = False
 
@@ -156,6 +158,10 @@ class WeightBroadcaster:
             BroadcastError: an engine refused to join, or the rendezvous timed out.
         """
         config = self.config
+        if group_name_taken(config.group_name):
+            # Checked before the engines are asked: they would wait in the rendezvous for us until
+            # their timeout (an SGLang server stops serving meanwhile).
+            raise BroadcastError(f"this process already has a group {config.group_name!r} open")
         port = config.master_port or _free_port()
         offsets = [1 + sum(e.ranks for e in self.engines[:i]) for i in range(len(self.engines))]
         self._joined = True
@@ -174,7 +180,7 @@ class WeightBroadcaster:
             )
             for engine, offset in zip(self.engines, offsets, strict=True)
         ]
-        own = self._threads.submit(
+        self._opening = own = self._threads.submit(
             open_update_group,
             backend=config.backend,
             master_address=config.master_address,
@@ -235,6 +241,10 @@ class WeightBroadcaster:
                 if self._group is not None and not self._broken:
                     close_update_group(self._group)
                     self._wait(destroys, "destroy_weights_update_group")
+                elif self._opening is not None:
+                    # Leave a broken group too (once our join ends, if it still waits): torch keeps
+                    # its name taken in this process until then, and the next connect needs it.
+                    self._opening.add_done_callback(_abandon)
                 self._group = None
         finally:
             self._http.close()
@@ -253,11 +263,17 @@ class WeightBroadcaster:
         sent = self._threads.submit(broadcast_tensors, self._group, [t for _, t in bucket])
         try:
             self._wait([sent, *answers], "update_weights_from_distributed")
-        except BroadcastError:
+        except BroadcastError as failed:
             # An engine that refused after receiving completed the broadcast; one that refused the
             # request itself never joined it, and our send may be stuck until the group times out.
-            concurrent.futures.wait([sent], timeout=1.0)
+            concurrent.futures.wait([sent, *answers], timeout=1.0)
             self._broken = not sent.done() or sent.exception() is not None
+            # An engine's refusal says why; our send to an engine that left fails only with a closed
+            # connection, often before the refusal arrives.
+            for answer in answers:
+                refusal = answer.exception() if answer.done() else None
+                if isinstance(refusal, BroadcastError) and refusal is not failed:
+                    raise refusal from None
             raise
 
     def _all(self, path: str, body: dict[str, Any]) -> None:
@@ -331,6 +347,11 @@ def roll_out_by_broadcast(
             api.end_distributed(session["session"], committed=False, reason=str(exc) or type(exc).__name__)
         raise
     return stats, api.end_distributed(session["session"], committed=True)
+
+
+def _abandon(opening: concurrent.futures.Future[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        close_update_group(opening.result(), abort=True)
 
 
 def _free_port() -> int:

@@ -24,12 +24,21 @@ from torch.distributed.distributed_c10d import (
     Backend,
     GroupName,
     PrefixStore,
+    _abort_process_group,
     _new_process_group_helper,
     _world,
     rendezvous,
 )
 
-__all__ = ["BACKENDS", "broadcast_tensors", "close_update_group", "dtype_from_name", "dtype_name", "open_update_group"]
+__all__ = [
+    "BACKENDS",
+    "broadcast_tensors",
+    "close_update_group",
+    "dtype_from_name",
+    "dtype_name",
+    "group_name_taken",
+    "open_update_group",
+]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -86,8 +95,22 @@ def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor])
             work.wait()
 
 
-def close_update_group(group: dist.ProcessGroup) -> None:
-    dist.destroy_process_group(group)
+def close_update_group(group: dist.ProcessGroup, *, abort: bool = False) -> None:
+    """Leave the group, which frees its name in this process.
+
+    ``abort``: a broadcast may still be stuck on the group (a peer never joined it). NCCL's destroy
+    would wait for that kernel, so its communicators are aborted instead; gloo's destroy returns at
+    once either way (the stuck send fails at the group's timeout).
+    """
+    if abort and dist.get_backend(group) == "nccl":
+        _abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)
+
+
+def group_name_taken(group_name: str) -> bool:
+    """A group of that name is open in this process: opening another one under it would fail."""
+    return group_name in _world.pg_names.values()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

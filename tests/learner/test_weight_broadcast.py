@@ -149,6 +149,7 @@ def test_requests_the_engine_cannot_serve_are_refused_at_once(
 
 def test_an_engine_that_refuses_a_bucket_request_fails_the_send_at_once(engine: EngineTarget) -> None:
     """It never joins that broadcast: the trainer must not wait for the group's timeout to find out."""
+    before = served(engine)
     broadcaster = WeightBroadcaster([engine], GLOO)
     broadcaster.connect()
     try:
@@ -162,4 +163,19 @@ def test_an_engine_that_refuses_a_bucket_request_fails_the_send_at_once(engine: 
             broadcaster.send([(FITS, torch.ones(64))], "v-lost")
     finally:
         broadcaster.close()
-    assert served(engine)["weight_version"] != "v-lost"
+    assert served(engine) == before
+    # The broken group was left here too, so this process syncs again under the same name.
+    broadcast_weights([engine], [(FITS, torch.ones(64))], "v-again", GLOO)
+    assert served(engine)["weight_version"] == "v-again"
+    broadcast_weights([engine], [(FITS, torch.ones(64))], before["weight_version"], GLOO)
+    assert served(engine) == before
+
+
+def test_a_group_name_this_process_has_open_is_refused_before_any_engine_is_asked(engine: EngineTarget) -> None:
+    """An engine asked to join would wait in the rendezvous for this process until its timeout."""
+    with WeightBroadcaster([engine], GLOO) as first:
+        second = WeightBroadcaster([engine], GLOO)
+        with pytest.raises(BroadcastError, match="already has a group 'weight_update_group' open"):
+            second.connect()
+        second.close()
+        first.send([(FITS, torch.ones(64))], served(engine)["weight_version"])
