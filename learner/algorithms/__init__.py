@@ -13,6 +13,7 @@ from learner.algorithms.advantages import (
     reinforce_plus_plus_baseline_advantages,
     segment_ids,
 )
+from learner.algorithms.chunked_log_probs import target_log_probs
 from learner.algorithms.losses import (
     KLType,
     LossResult,
@@ -51,5 +52,6 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "sample_mean",
     "segment_ids",
+    "target_log_probs",
     "token_mean",
 ]

@@ -106,7 +106,11 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
     Logits of -inf (tokens filtered out by top-k/top-p) count as probability 0.
     """
-    log_p = torch.log_softmax(_as_float(logits), dim=-1)
+    return entropy_from_log_probs(torch.log_softmax(_as_float(logits), dim=-1))
+
+
+def entropy_from_log_probs(log_p: Tensor) -> Tensor:
+    """``-sum_v p_v log p_v`` over the last dimension of normalised log-probs; a ``p_v`` of 0 adds 0, not nan."""
     p = log_p.exp()
     return -(p * log_p.masked_fill(p == 0, 0.0)).sum(dim=-1)
 

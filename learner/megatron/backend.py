@@ -45,7 +45,14 @@ from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
 from learner.megatron.model import build_model
 from learner.megatron.weights import gather_hf_weights, load_hf_weights
 from learner.sample import Sample
-from learner.trainers.step_loss import StepInputs, micro_batch_loss, prepare_step, step_metrics, token_log_probs
+from learner.trainers.step_loss import (
+    StepInputs,
+    all_finite,
+    micro_batch_loss,
+    prepare_step,
+    step_metrics,
+    token_log_probs,
+)
 from learner.trainers.train_config import TrainConfig, TrainingDiverged
 
 __all__ = ["MegatronPolicy", "OptimizerSettings"]
@@ -137,6 +144,7 @@ class MegatronPolicy:
         with cuda_as_cpu():
             ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=self.model)
             self.optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+        _use_fused_adamw(self.optimizer)
         self.module = ddp
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.no_sync_func = ddp.no_sync
@@ -309,7 +317,7 @@ class MegatronPolicy:
             self.optimizer.step()
         self.optimizer.zero_grad()
         with torch.no_grad():
-            broken = sum(not bool(torch.isfinite(p).all()) for p in self.model.parameters())
+            broken = not all_finite(self.model.parameters())
         if _world_sum(float(broken)):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
         return grad_norm
@@ -325,6 +333,16 @@ class MegatronPolicy:
     def hf_state(self) -> dict[str, Tensor] | None:
         """The whole model under HF names on global rank 0; None elsewhere."""
         return gather_hf_weights(self.model, self.hf, self.config)
+
+
+def _use_fused_adamw(optimizer: Any) -> None:
+    """Without TransformerEngine or Apex, megatron steps torch's AdamW in its multi-kernel (foreach) form,
+    30 ms of a 1.5B model's step on an H200 (torch's fused kernel: 8 ms): switch the groups to the fused
+    kernel, same math. A CPU-offloaded optimizer is megatron's hybrid one and already fused."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.AdamW):
+            for group in inner.optimizer.param_groups:
+                group["foreach"], group["fused"] = False, True
 
 
 def _world_sum(value: float) -> float:

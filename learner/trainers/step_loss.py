@@ -10,7 +10,8 @@ add up to the step's and gradients accumulate to the one big batch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from learner.algorithms import (
     policy_loss_function,
     reduce_masked,
     reinforce_plus_plus_baseline_advantages,
+    target_log_probs,
 )
 from learner.batching import PackedMicroBatch, training_loss_mask
 from learner.plugins import HookKind, Plugin, load_plugin
@@ -31,6 +33,7 @@ from learner.trainers.train_config import TrainConfig
 
 __all__ = [
     "StepInputs",
+    "all_finite",
     "call_custom_loss",
     "compute_advantages",
     "micro_batch_loss",
@@ -38,6 +41,7 @@ __all__ = [
     "shifted",
     "step_metrics",
     "token_log_probs",
+    "token_log_probs_and_entropy",
 ]
 
 
@@ -48,11 +52,25 @@ def shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
     return out.index_fill(0, starts, 0.0)
 
 
-def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
-    """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits; 0 at sample starts."""
+def token_log_probs_and_entropy(logits: Tensor, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+    """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits, with
+    gradient, and the ``[T]`` entropy of the distribution token t was drawn from, without; 0 at sample starts."""
     targets = batch.input_ids.to(logits.device).roll(-1)  # position t scores token t + 1
-    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
-    return shifted(log_probs, batch.cu_seqlens)
+    log_probs, entropy = target_log_probs(logits, targets, with_entropy=True)
+    return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
+
+
+def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
+    """``token_log_probs_and_entropy``'s log-probs alone."""
+    targets = batch.input_ids.to(logits.device).roll(-1)
+    return shifted(target_log_probs(logits, targets)[0], batch.cu_seqlens)
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite: one max-abs reduction over all of them and one
+    device sync (a check per weight tensor cost a sync each, hundreds per step)."""
+    detached = [t.detach() for t in tensors if t.numel()]  # the max of nothing is undefined
+    return not detached or bool(torch.nn.utils.get_total_norm(detached, norm_type=math.inf).isfinite())
 
 
 def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor:
@@ -175,9 +193,9 @@ def micro_batch_loss(
     loss_config = config.loss
     device = logits.device
     cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
-    log_probs = token_log_probs(logits, batch)
     # Entropy is always reported (train/entropy_loss); it joins the graph only when it is in the loss.
-    with torch.set_grad_enabled(loss_config.entropy_coef != 0 and torch.is_grad_enabled()):
+    log_probs, entropy = token_log_probs_and_entropy(logits, batch)
+    if loss_config.entropy_coef != 0 and torch.is_grad_enabled():
         entropy = shifted(entropy_from_logits(logits), batch.cu_seqlens)
     sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device)
     token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)

@@ -16,16 +16,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from learner.algorithms import entropy_from_logits
 from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
 from learner.sample import Sample
 from learner.trainers.step_loss import (
+    all_finite,
     compute_advantages,
     micro_batch_loss,
     prepare_step,
-    shifted,
     step_metrics,
     token_log_probs,
+    token_log_probs_and_entropy,
 )
 from learner.trainers.train_config import AdvantageEstimator, TrainConfig, TrainingDiverged
 
@@ -68,8 +68,7 @@ def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
 
 def compute_log_probs_and_entropy(model: nn.Module, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
     """``compute_log_probs`` and the ``[T]`` entropy of the distribution each token was drawn from."""
-    logits = _forward_logits(model, batch)
-    return token_log_probs(logits, batch), shifted(entropy_from_logits(logits), batch.cu_seqlens)
+    return token_log_probs_and_entropy(_forward_logits(model, batch), batch)
 
 
 @torch.no_grad()
@@ -156,6 +155,6 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         # An enormous learning rate can overflow weights from finite gradients.
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        if not all_finite(model.parameters()):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
     return step_metrics(samples, totals, grad_norm, time.perf_counter() - started)

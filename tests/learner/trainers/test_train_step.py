@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from learner.algorithms import PolicyLossConfig
 from learner.plugins import PluginError
 from learner.trainers import TrainConfig, TrainingDiverged, compute_advantages, train_step
+from learner.trainers.step_loss import all_finite
 from tests.learner.trainers.conftest import load_tiny, random_samples
 
 
@@ -131,3 +132,11 @@ def test_a_custom_loss_is_checked(base_dir: Path) -> None:
     config = TrainConfig(custom_loss_path="tests.learner.plugins_examples:loss_not_a_tuple")
     with pytest.raises(PluginError, match="not \\(loss, metrics\\)"):
         train_step(model, sgd(model), random_samples(2), config)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_bad_element_among_many_tensors(bad: float) -> None:
+    tensors = [torch.ones(3, 4, dtype=torch.bfloat16), torch.full((5,), 3e38), torch.zeros(0)]
+    assert all_finite(tensors) and all_finite([])
+    tensors[1][2] = bad
+    assert not all_finite(tensors)
