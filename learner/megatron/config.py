@@ -176,6 +176,16 @@ def check_model(config: MegatronConfig, hf_config: Any) -> None:
         (ep == 1 or experts > 0, f"expert_parallel={ep} needs a mixture-of-experts model"),
         (experts == 0 or experts % ep == 0, f"{experts} experts are not divisible by expert_parallel={ep}"),
     ]
+    if getattr(hf_config, "kv_lora_rank", None):  # multi-latent attention splits its down-projections' rows too
+        q_rank = hf_config.q_lora_rank or 0
+        kv_rows = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+        checks += [
+            (q_rank % tp == 0, f"q_lora_rank={q_rank} is not divisible by tensor_parallel={tp}"),
+            (
+                kv_rows % tp == 0,
+                f"kv_lora_rank + qk_rope_head_dim = {kv_rows} is not divisible by tensor_parallel={tp}",
+            ),
+        ]
     errors = [message for ok, message in checks if not ok]
     if errors:
         raise ValueError(f"megatron layout does not fit the model: {'; '.join(errors)}")

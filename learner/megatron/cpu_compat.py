@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_patches", "cuda_as_cpu", "define_missing_te_gemm", "on_cpu"]
+__all__ = ["apply_cpu_patches", "cuda_as_cpu", "on_cpu", "patch_missing_te"]
 
 _patched = False
 
@@ -54,14 +54,29 @@ class _NoStream:
 _NO_STREAM = _NoStream()
 
 
-def define_missing_te_gemm() -> None:
-    """megatron-core 0.16's MoE router reads ``moe_utils.te_general_gemm``, which is only defined when
-    TransformerEngine imports: without TE (CPU or GPU) every MoE forward raises NameError. None
-    selects its plain torch matmul."""
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's device-to-host copy of the MoE dispatcher's sizes makes numpy arrays of CUDA tensors
+    only; ``all_to_all_single`` refuses split sizes given as a tensor (expert parallel on the CPU)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def patch_missing_te() -> None:
+    """What megatron-core 0.16 gets wrong without TransformerEngine (CPU or GPU; idempotent).
+
+    * Its MoE router reads ``moe_utils.te_general_gemm``, which is only defined when TE imports:
+      every MoE forward raises NameError. None selects its plain torch matmul.
+    * Multi-latent attention takes TE's layer classes from ``extensions.transformer_engine``, which
+      imports without TE and then defines them as ``MagicMock`` objects; MLA believes TE is there and
+      its ``isinstance`` check on them raises TypeError while the layer is built.
+    """
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def apply_cpu_patches() -> None:
@@ -75,6 +90,7 @@ def apply_cpu_patches() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
@@ -85,6 +101,7 @@ def apply_cpu_patches() -> None:
     # The dispatcher makes its side stream once, as a class attribute; torch.cuda.Stream itself stays
     # (other libraries use it in annotations).
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy  # imported there by name
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask  # imported there by name
     # Activation recompute saves and restores the CUDA generator around each checkpointed chunk;

@@ -11,6 +11,11 @@ Fused tensors (shared/reference/megatron-core-cpu.md §6):
   query heads, then its key head, then its value head (bias likewise). This is the layout that
   splits evenly over tensor-parallel ranks and matches HF's ``repeat_kv``.
 * ``linear_fc1`` is ``[gate; up]``.
+
+Multi-latent attention (DeepSeek-V3) only changes names: megatron's MLA projections hold their rows
+in transformers' order (per head ``[nope; rope]`` for queries and ``[nope; v]`` for the key/value
+up-projection, ``[latent; rope]`` for the key/value down-projection), and both de-interleave the
+rope half the same way at run time.
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_of", "moe_layer_pattern", "to_hf", "to_megatron"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "UnsupportedModel",
+    "family_of",
+    "moe_layer_pattern",
+    "num_experts",
+    "to_hf",
+    "to_megatron",
+]
 
 
 class UnsupportedModel(ValueError):
@@ -36,7 +50,9 @@ class Family:
     model_type: str
     fixed_qkv_bias: bool  # Qwen2 always has q/k/v biases and no others
     qk_norm: bool  # Qwen3: RMSNorm over each head's queries and keys
-    moe: bool  # Qwen3-MoE: routed experts (no shared expert)
+    moe: bool  # routed experts
+    mla: bool = False  # DeepSeek-V3: multi-latent attention instead of q/k/v projections
+    shared_experts: bool = False  # DeepSeek-V3: shared experts, a router with a score-correction bias
 
     def qkv_bias(self, hf: Any) -> bool:
         return self.fixed_qkv_bias
@@ -54,6 +70,7 @@ FAMILIES: dict[str, Family] = {
         Family("llama", fixed_qkv_bias=False, qk_norm=False, moe=False),
         Family("qwen3", fixed_qkv_bias=False, qk_norm=True, moe=False),
         Family("qwen3_moe", fixed_qkv_bias=False, qk_norm=True, moe=True),
+        Family("deepseek_v3", fixed_qkv_bias=False, qk_norm=False, moe=True, mla=True, shared_experts=True),
     )
 }
 
@@ -73,10 +90,20 @@ def family_of(hf: Any) -> Family:
 
 
 def moe_layer_pattern(hf: Any) -> list[int]:
-    """1 for a layer with routed experts, 0 for a dense one (Qwen3-MoE's sparse step and MLP-only layers)."""
+    """1 for a layer with routed experts, 0 for a dense one (Qwen3-MoE's sparse step and MLP-only
+    layers, DeepSeek-V3's first ``first_k_dense_replace`` layers)."""
+    if family_of(hf).shared_experts:
+        return [int(i >= hf.first_k_dense_replace) for i in range(hf.num_hidden_layers)]
     step = getattr(hf, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf, "mlp_only_layers", None) or ())
     return [int(i not in dense and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
+
+
+def num_experts(hf: Any) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    if not family_of(hf).moe:
+        return 0
+    return getattr(hf, "num_experts", None) or hf.n_routed_experts
 
 
 def _head_dim(hf: Any) -> int:
@@ -108,12 +135,31 @@ _QK_NORM_RENAMES = (
     ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
     ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
 )
+_MLA_RENAMES = (
+    ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+)
+_MLA_Q_LORA_RENAMES = (
+    ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+    ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+)
+_MLA_Q_RENAMES = (("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),)
+
+
+def _attention_renames(hf: Any, family: Family) -> list[tuple[str, str]]:
+    if family.mla:
+        return list(_MLA_RENAMES + (_MLA_Q_LORA_RENAMES if hf.q_lora_rank is not None else _MLA_Q_RENAMES))
+    return list(_QK_NORM_RENAMES) if family.qk_norm else []
 
 
 def _mlp_pairs(hf: Any, family: Family, layer: int) -> list[tuple[str, str]]:
-    """(megatron prefix, HF prefix) of each gated MLP in a layer: the dense one or every expert."""
+    """(megatron prefix, HF prefix) of each gated MLP in a layer: the dense one, or every expert and the
+    shared experts (one MLP of n_shared_experts x moe_intermediate_size in both)."""
     if family.moe and moe_layer_pattern(hf)[layer]:
-        return [(f"mlp.experts.local_experts.{j}.", f"mlp.experts.{j}.") for j in range(hf.num_experts)]
+        experts = [(f"mlp.experts.local_experts.{j}.", f"mlp.experts.{j}.") for j in range(num_experts(hf))]
+        return experts + ([("mlp.shared_experts.", "mlp.shared_experts.")] if family.shared_experts else [])
     return [("mlp.", "mlp.")]
 
 
@@ -124,10 +170,12 @@ def _layer_plan(hf: Any, family: Family, layer: int) -> tuple[_Pairs, _Pairs, _P
     """This layer's plain renames, fused QKV tensors (the HF name with ``{}`` for q, k, v) and gated
     MLPs (prefixes), as full names."""
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-    renames = list(_LAYER_RENAMES) + (list(_QK_NORM_RENAMES) if family.qk_norm else [])
+    renames = list(_LAYER_RENAMES) + _attention_renames(hf, family)
     if family.moe and moe_layer_pattern(hf)[layer]:
         renames.append(("mlp.router.weight", "mlp.gate.weight"))
-    kinds = ("weight", "bias") if family.qkv_bias(hf) else ("weight",)
+        if family.shared_experts:
+            renames.append(("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"))
+    kinds = () if family.mla else ("weight", "bias") if family.qkv_bias(hf) else ("weight",)
     qkv = [(f"{m}self_attention.linear_qkv.{kind}", f"{h}self_attn.{{}}_proj.{kind}") for kind in kinds]
     mlps = [(m + a, h + b) for a, b in _mlp_pairs(hf, family, layer)]
     return [(m + a, h + b) for a, b in renames], qkv, mlps

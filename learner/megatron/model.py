@@ -1,13 +1,15 @@
-"""A megatron-core ``GPTModel`` that computes what a Hugging Face Qwen2/Qwen3/Llama/Qwen3-MoE model does.
+"""A megatron-core ``GPTModel`` that computes what a Hugging Face Qwen2/Qwen3/Llama/Qwen3-MoE/DeepSeek-V3 model does.
 
 ``transformer_config`` maps the HF config onto megatron's (shared/reference/megatron-core-cpu.md §5:
 RMSNorm epsilon, SwiGLU, q/k/v bias, q/k norm, no dropout, grouped-query attention, experts and
 their router); ``build_model`` builds the model with the local layer spec, its core attention swapped
 for ``SDPAttention`` unless ``attention="local"``, and RoPE frequencies taken from transformers'
-own formula so scaled variants (``llama3``, ``linear``) match exactly.
+own formula so scaled variants (``llama3``, ``linear``; ``yarn`` for DeepSeek-V3) match exactly.
+DeepSeek-V3's multi-latent attention and router come from ``deepseek``.
 
 Features with no exact megatron counterpart here are refused with the reason (sliding windows,
-YaRN/LongRoPE attention scaling, biases on the output or MLP projections, non-SiLU activations).
+YaRN/LongRoPE attention scaling outside MLA, biases on the output or MLP projections, non-SiLU
+activations, quantized checkpoints, and DeepSeek-V3's own list in ``deepseek.refusals``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from transformers import PretrainedConfig
 
+from learner.megatron import deepseek
 from learner.megatron.config import MegatronConfig
-from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern
+from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern, num_experts
 from learner.megatron.sdpa_attention import SDPAttention
 
 __all__ = ["AttentionKind", "UnsupportedModel", "build_model", "transformer_config"]
@@ -53,18 +56,23 @@ def _rope_parameters(hf: PretrainedConfig) -> dict[str, Any]:
 
 
 def _refusals(hf: PretrainedConfig) -> list[str]:
+    family = family_of(hf)
     rope = _rope_parameters(hf)
-    refusals = []
-    if rope["rope_type"] not in _ROPE_TYPES:
-        refusals.append(f"rope_type {rope['rope_type']!r} (supported: {', '.join(_ROPE_TYPES)})")
+    # MLA applies YaRN's cos/sin factor and softmax scale (transformers' DeepSeek-V3 formula)
+    rope_types = (*_ROPE_TYPES, "yarn") if family.mla else _ROPE_TYPES
+    refusals = deepseek.refusals(hf) if family.mla else []
+    if rope["rope_type"] not in rope_types:
+        refusals.append(f"rope_type {rope['rope_type']!r} (supported: {', '.join(rope_types)})")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         refusals.append("partial rotary embeddings")
     if getattr(hf, "hidden_act", "silu") != "silu":
         refusals.append(f"hidden_act {hf.hidden_act!r} (only silu)")
     if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or ()):
         refusals.append("sliding-window attention")
-    if getattr(hf, "mlp_bias", False) or (family_of(hf).attention_bias_is_config and hf.attention_bias):
+    if getattr(hf, "mlp_bias", False) or (family.attention_bias_is_config and hf.attention_bias):
         refusals.append("biases on the output or MLP projections")
+    if getattr(hf, "quantization_config", None):
+        refusals.append("quantized checkpoints (quantization_config)")
     return refusals
 
 
@@ -83,19 +91,29 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
     moe: dict[str, Any] = {}
     if family.moe:
         moe = {
-            "num_moe_experts": hf.num_experts,
+            "num_moe_experts": num_experts(hf),
             "moe_ffn_hidden_size": hf.moe_intermediate_size,
             "moe_router_topk": hf.num_experts_per_tok,
-            # HF: softmax over all experts, top-k, renormalised when norm_topk_prob. Megatron's softmax
-            # over the top-k logits is that renormalised form; pre-softmax is the plain one.
-            "moe_router_pre_softmax": not hf.norm_topk_prob,
-            "moe_router_topk_scaling_factor": None,
             "moe_layer_freq": moe_layer_pattern(hf),
             "moe_router_load_balancing_type": "none",
             "moe_aux_loss_coeff": 0.0,
             "moe_grouped_gemm": False,
             "moe_router_dtype": "fp32",
         }
+        if family.shared_experts:
+            moe |= deepseek.router_fields(hf)
+        else:
+            # HF: softmax over all experts, top-k, renormalised when norm_topk_prob. Megatron's softmax
+            # over the top-k logits is that renormalised form; pre-softmax is the plain one.
+            moe |= {"moe_router_pre_softmax": not hf.norm_topk_prob, "moe_router_topk_scaling_factor": None}
+    attention: dict[str, Any] = {
+        "num_query_groups": getattr(hf, "num_key_value_heads", None) or heads,
+        "kv_channels": getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        "add_qkv_bias": family.qkv_bias(hf),
+        "qk_layernorm": family.qk_norm,
+    }
+    if family.mla:
+        attention |= deepseek.mla_fields(hf)
     recompute: dict[str, Any] = {}
     if parallel.recompute == "full":
         recompute = {
@@ -105,20 +123,17 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
         }
     elif parallel.recompute == "selective":
         recompute = {"recompute_granularity": "selective"}
-    config = TransformerConfig(
+    config_class = MLATransformerConfig if family.mla else TransformerConfig
+    config = config_class(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         num_attention_heads=heads,
-        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         ffn_hidden_size=hf.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=family.qkv_bias(hf),
-        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # the fused CUDA kernels are optional; unfused paths keep CPU and GPU numerics alike
@@ -141,6 +156,7 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
         moe_token_dispatcher_type="alltoall",  # the default (allgather) refuses variable lengths
         use_cpu_initialization=True,
         perform_initialization=False,  # every weight is loaded from the checkpoint
+        **attention,
         **recompute,
         **moe,
     )
@@ -149,13 +165,17 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
 
 def _layer_specs(config: TransformerConfig, attention: AttentionKind) -> TransformerBlockSubmodules:
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if attention == "local":
+    if attention == "sdpa":
+        core: type = SDPAttention
+    elif config.multi_latent_attention:
+        core = deepseek.MLADotProductAttention
+    else:
         return block
     specs = []
     for layer in block.layer_specs:
         attention_spec = layer.submodules.self_attention
         attention_spec = dataclasses.replace(
-            attention_spec, submodules=dataclasses.replace(attention_spec.submodules, core_attention=SDPAttention)
+            attention_spec, submodules=dataclasses.replace(attention_spec.submodules, core_attention=core)
         )
         specs.append(
             ModuleSpec(layer.module, layer.params, dataclasses.replace(layer.submodules, self_attention=attention_spec))
@@ -163,17 +183,16 @@ def _layer_specs(config: TransformerConfig, attention: AttentionKind) -> Transfo
     return dataclasses.replace(block, layer_specs=specs)
 
 
-def _hf_inv_freq(hf: PretrainedConfig, head_dim: int) -> torch.Tensor:
+def _hf_rope(hf: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """transformers' inverse frequencies and the factor it puts on cos and sin (YaRN's attention factor)."""
     rope = _rope_parameters(hf)
     if rope["rope_type"] == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (rope["rope_theta"] ** exponents)
+        return 1.0 / (rope["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
-    if attention_scaling != 1.0:
-        raise UnsupportedModel(f"rope_type {rope['rope_type']!r} scales attention by {attention_scaling}")
-    return inv_freq.float()
+    return inv_freq.float(), attention_scaling
 
 
 def build_model(
@@ -202,7 +221,15 @@ def build_model(
         rotary_base=int(_rope_parameters(hf)["rope_theta"]),
     )
     # Before the first forward: RotaryEmbedding.forward caches its result.
-    model.rotary_pos_emb.inv_freq = _hf_inv_freq(hf, config.kv_channels)
+    if isinstance(config, MLATransformerConfig):
+        deepseek.install_rope(model, *_hf_rope(hf, config.qk_pos_emb_head_dim))
+    else:
+        inv_freq, attention_scaling = _hf_rope(hf, config.kv_channels)
+        if attention_scaling != 1.0:
+            raise UnsupportedModel(
+                f"rope_type {_rope_parameters(hf)['rope_type']!r} scales attention by {attention_scaling}"
+            )
+        model.rotary_pos_emb.inv_freq = inv_freq
     _mark_split_weights(model, config)
     return model
 

@@ -29,7 +29,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from learner.child_process import RENDEZVOUS_ENV
 from learner.megatron.config import MegatronConfig
-from learner.megatron.cpu_compat import apply_cpu_patches, define_missing_te_gemm, on_cpu
+from learner.megatron.cpu_compat import apply_cpu_patches, on_cpu, patch_missing_te
 
 __all__ = ["parallel", "world_rank"]
 
@@ -88,7 +88,7 @@ def parallel(config: MegatronConfig, *, seed: int = 0) -> Iterator[None]:
     if config.optimizer_cpu_offload and on_cpu():
         raise ValueError("optimizer_cpu_offload moves optimizer state off the GPU; this process has no GPU")
     apply_cpu_patches()
-    define_missing_te_gemm()
+    patch_missing_te()
     _init_process_group()
     world = dist.get_world_size()
     if world != config.devices:

@@ -27,7 +27,8 @@ __all__ = ["SDPAttention"]
 
 
 class SDPAttention(MegatronModule):
-    """Drop-in for ``DotProductAttention`` (same constructor and forward signatures)."""
+    """Drop-in for ``DotProductAttention`` (same constructor and forward signatures), also as MLA's core
+    attention (keys of another head size than values)."""
 
     def __init__(
         self,
@@ -39,7 +40,10 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: object | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
+        # Multi-latent attention passes its key and value head sizes; SDPA reads them off the tensors.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention sees whole sequences: context_parallel_size must be 1")

@@ -5,10 +5,12 @@
 from 0, expert-parallel ranks their experts from 0), ``merge`` puts all ranks' parts back together.
 Tensor-parallel splits follow megatron-core's layers:
 
-* column-parallel (split rows): ``linear_qkv`` (whole KV groups per rank), the word embeddings and
-  output layer (vocabulary rows), ``linear_fc1`` (gate and up halves split separately);
+* column-parallel (split rows): ``linear_qkv`` (whole KV groups per rank), MLA's down- and
+  up-projections (the up-projections whole heads per rank; megatron gathers the down-projections'
+  latents again), the word embeddings and output layer (vocabulary rows), ``linear_fc1`` (gate and
+  up halves split separately);
 * row-parallel (split columns): ``linear_proj``, ``linear_fc2``;
-* everything else (norms, the router) is replicated.
+* everything else (norms, the router and its expert bias) is replicated.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ __all__ = ["RankPosition", "merge", "shard"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_COLUMN = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.weight",
+)
 _ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 

@@ -2,8 +2,8 @@
 
 ``load_hf_weights`` reads the folder's safetensors, converts (``hf_convert``), cuts out this rank's
 part (``sharding``) and loads it strictly. ``gather_hf_weights`` does the reverse: every rank of the
-first data-parallel replica sends its part to global rank 0, which merges and converts them back
-to HF names (the other ranks get None).
+first expert-data-parallel replica (the first data-parallel one, widened by expert parallel) sends
+its part to global rank 0, which merges and converts them back to HF names (the other ranks get None).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from learner.megatron.config import MegatronConfig
-from learner.megatron.hf_convert import family_of, to_hf, to_megatron
+from learner.megatron.hf_convert import num_experts, to_hf, to_megatron
 from learner.megatron.sharding import RankPosition, merge, shard
 
 __all__ = ["gather_hf_weights", "load_hf_weights", "read_hf_weights"]
@@ -46,8 +46,7 @@ def _position() -> RankPosition:
 
 
 def _sizes(hf: object) -> tuple[int, int]:
-    experts = getattr(hf, "num_experts", 0) if family_of(hf).moe else 0
-    return hf.num_hidden_layers, experts  # type: ignore[attr-defined]
+    return hf.num_hidden_layers, num_experts(hf)  # type: ignore[attr-defined]
 
 
 def load_hf_weights(model: nn.Module, model_dir: Path, hf: object, config: MegatronConfig) -> None:
@@ -71,7 +70,9 @@ def gather_hf_weights(model: nn.Module, hf: object, config: MegatronConfig) -> d
     local = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if dist.get_world_size() == 1:
         return to_hf(local, hf)
-    first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    # Expert-parallel ranks are carved out of the data-parallel ones: the first replica of the experts
+    # spans as many data-parallel ranks as there are expert-parallel ones (the same ranks without EP).
+    first_replica = parallel_state.get_expert_data_parallel_rank() == 0
     mine = (_position(), local) if first_replica else None
     gathered: list[tuple[RankPosition, dict[str, Tensor]] | None] | None = (
         [None] * dist.get_world_size() if dist.get_rank() == 0 else None

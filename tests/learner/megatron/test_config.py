@@ -6,7 +6,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
-from transformers import Qwen2Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, Qwen2Config, Qwen3MoeConfig
 
 from learner.megatron.config import MegatronConfig, check_model
 from learner.trainers import TrainConfig
@@ -101,6 +101,11 @@ def test_the_layout_must_fit_the_model() -> None:
     with pytest.raises(ValueError, match="6 experts are not divisible by expert_parallel=4"):
         check_model(MegatronConfig(devices=4, expert_parallel=4), moe)
     check_model(MegatronConfig(devices=2, expert_parallel=2), moe)
+    mla = DeepseekV3Config(q_lora_rank=6, kv_lora_rank=6, qk_rope_head_dim=4)
+    with pytest.raises(ValueError) as raised:
+        check_model(MegatronConfig(devices=4, tensor_parallel=4), mla)
+    assert "q_lora_rank=6" in str(raised.value) and "kv_lora_rank + qk_rope_head_dim = 10" in str(raised.value)
+    check_model(MegatronConfig(devices=2, tensor_parallel=2), mla)
 
 
 def test_settings_refuse_an_invalid_layout_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""HF <-> megatron: exact logits for Qwen2, Qwen3 and Llama 3, bitwise round trips, Qwen3-MoE parity."""
+"""HF <-> megatron: exact logits for Qwen2, Qwen3, Llama 3 and DeepSeek-V3's attention, bitwise round
+trips, Qwen3-MoE and DeepSeek-V3 parity."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
 from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import UnsupportedModel, to_hf, to_megatron
@@ -62,8 +63,9 @@ def test_round_trips_are_bitwise(family: str, tmp_path: Path) -> None:
     assert all(torch.equal(again[name], megatron_state[name]) for name in again)
 
 
-def test_an_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> None:
-    config = FAMILIES["qwen3"]()
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_an_exported_folder_loads_in_transformers_with_the_same_logits(family: str, tmp_path: Path) -> None:
+    config = (FAMILIES | MOE)[family]()
     hf = random_hf(config)
     base = tmp_path / "base"
     saved_state(hf, base)
@@ -92,14 +94,16 @@ def test_llama3_rope_scaling_is_applied(world: MegatronConfig) -> None:
 
 @pytest.mark.parametrize("family", sorted(MOE))
 @pytest.mark.parametrize("attention", ["local", "sdpa"])
-def test_qwen3_moe_logits_match_transformers(family: str, attention: str, tmp_path: Path) -> None:
+def test_moe_logits_match_transformers(family: str, attention: str, tmp_path: Path) -> None:
     config = MOE[family]()
     hf = random_hf(config, HF_ATTENTION[attention])
     saved_state(hf, tmp_path)
     tokens = torch.randint(0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens).logits
-    # Routing softmax and the expert sum run in another order than transformers': float rounding only.
+    # The routing weights' normalisation and the expert sum run in another order than transformers'
+    # (and the local attention puts DeepSeek-V3's softmax scale, not a power of two, inside its matmul):
+    # float rounding only, measured up to 1e-6.
     torch.testing.assert_close(megatron_logits(config, tmp_path, attention, tokens), expected, rtol=0, atol=1e-5)
 
 
@@ -110,6 +114,13 @@ def test_qwen3_moe_logits_match_transformers(family: str, attention: str, tmp_pa
         (Qwen2Config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'yarn'"),
         (Qwen2Config(hidden_act="gelu"), "hidden_act"),
         (Qwen3MoeConfig(attention_bias=True), "biases"),
+        (DeepseekV3Config(rope_interleave=False), "rope_interleave=False"),
+        (DeepseekV3Config(rms_norm_eps=1e-5), "latent norms use 1e-06"),
+        (DeepseekV3Config(norm_topk_prob=False), "norm_topk_prob=False with num_experts_per_tok=8"),
+        (DeepseekV3Config(num_experts_per_tok=8, n_group=8, topk_group=2), "num_experts_per_tok // topk_group = 4"),
+        (DeepseekV3Config(n_shared_experts=0), "no shared experts"),
+        (DeepseekV3Config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "'dynamic'"),
+        (DeepseekV3Config(quantization_config={"quant_method": "fp8"}), "quantized"),
     ],
 )
 def test_models_it_cannot_reproduce_are_refused(config: PretrainedConfig, reason: str) -> None:

@@ -6,16 +6,19 @@ import pytest
 import torch
 
 from learner.megatron.config import MegatronConfig
-from learner.megatron.hf_convert import to_megatron
+from learner.megatron.hf_convert import num_experts, to_megatron
 from learner.megatron.sharding import RankPosition, merge, shard
 from tests.learner.megatron.conftest import MOE, random_hf, saved_state
 
 
-@pytest.fixture(scope="module")
-def moe_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], int, int]:
-    config = MOE["qwen3_moe"]()
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def moe_state(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, torch.Tensor], int, int]:
+    config = MOE[request.param]()
+    config.num_hidden_layers = 2  # a whole number of layers per pipeline stage
     state = saved_state(random_hf(config), tmp_path_factory.mktemp("moe"))
-    return to_megatron(state, config), config.num_hidden_layers, config.num_experts
+    return to_megatron(state, config), config.num_hidden_layers, num_experts(config)
 
 
 @pytest.mark.parametrize(
