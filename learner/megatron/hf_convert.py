@@ -211,7 +211,7 @@ def to_megatron(state: Mapping[str, Tensor], hf: Any) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for renames, qkv, mlps in _plan(hf):
         out |= {m: state[h] for m, h in renames}
-        out |= {m: _fuse_qkv(*(state[h.format(p)] for p in "qkv"), hf) for m, h in qkv}
+        out |= {m: _fuse_qkv(state[h.format("q")], state[h.format("k")], state[h.format("v")], hf) for m, h in qkv}
         for m, h in mlps:
             out[m + "linear_fc1.weight"] = torch.cat([state[h + "gate_proj.weight"], state[h + "up_proj.weight"]])
             out[m + "linear_fc2.weight"] = state[h + "down_proj.weight"]
