@@ -6,7 +6,6 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import (
-    JSON,
     BigInteger,
     CheckConstraint,
     ForeignKey,
@@ -16,13 +15,12 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
-    Text,
     UniqueConstraint,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.sql import text
 
+from storage.nul_safe import NulSafeJson, NulSafeString, NulSafeText
 from storage.times import UTCDateTime, utcnow
 
 NAMING_CONVENTION = {
@@ -33,7 +31,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-JsonType = JSON().with_variant(JSONB(), "postgresql")
+JsonType = NulSafeJson()  # JSONB on PostgreSQL
 
 
 class Base(DeclarativeBase):
@@ -72,7 +70,7 @@ class EndUser(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    external_id: Mapped[str] = mapped_column(String(256))
+    external_id: Mapped[str] = mapped_column(NulSafeString(256))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -82,7 +80,7 @@ class ConversationSession(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    session_key: Mapped[str] = mapped_column(String(256))
+    session_key: Mapped[str] = mapped_column(NulSafeString(256))
     end_user_id: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -130,7 +128,7 @@ class CompletionChoice(Base):
     choice_index: Mapped[int] = mapped_column(primary_key=True)
     token_ids: Mapped[bytes] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes] = mapped_column(LargeBinary)
-    text: Mapped[str] = mapped_column(Text)
+    text: Mapped[str] = mapped_column(NulSafeText())
     finish_reason: Mapped[str] = mapped_column(String(32))
     weight_versions: Mapped[list[Any]]
 
@@ -146,8 +144,8 @@ class Feedback(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     score: Mapped[float]
     rating: Mapped[str | None] = mapped_column(String(8))
-    comment: Mapped[str | None] = mapped_column(Text)
-    corrected_answer: Mapped[str | None] = mapped_column(Text)
+    comment: Mapped[str | None] = mapped_column(NulSafeText())
+    corrected_answer: Mapped[str | None] = mapped_column(NulSafeText())
     revision: Mapped[int]
     last_event_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime]
@@ -164,8 +162,8 @@ class FeedbackEvent(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     score: Mapped[float]
     rating: Mapped[str | None] = mapped_column(String(8))
-    comment: Mapped[str | None] = mapped_column(Text)
-    corrected_answer: Mapped[str | None] = mapped_column(Text)
+    comment: Mapped[str | None] = mapped_column(NulSafeText())
+    corrected_answer: Mapped[str | None] = mapped_column(NulSafeText())
     created_at: Mapped[datetime]
 
 
@@ -224,10 +222,10 @@ class ModelVersion(Base):
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     model: Mapped[str] = mapped_column(String(256))
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
-    checkpoint_path: Mapped[str] = mapped_column(Text)
+    checkpoint_path: Mapped[str] = mapped_column(NulSafeText())
     sha256: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16))
-    status_reason: Mapped[str | None] = mapped_column(Text)
+    status_reason: Mapped[str | None] = mapped_column(NulSafeText())
     watermark: Mapped[int | None] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any]]
     evaluation: Mapped[dict[str, Any]]
@@ -265,7 +263,7 @@ class TrainingRound(Base):
     samples_trained: Mapped[int | None]
     config: Mapped[dict[str, Any]]
     metrics: Mapped[dict[str, Any]]
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(NulSafeText())
     worker_id: Mapped[str | None] = mapped_column(String(256))
     # The schedule that fired it (no foreign key: the round's history outlives a deleted schedule).
     schedule_id: Mapped[str | None] = mapped_column(String(64))
@@ -288,7 +286,7 @@ class AdminAuditEntry(Base):
     at: Mapped[datetime] = mapped_column(default=utcnow)
     actor: Mapped[str] = mapped_column(String(200))
     action: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str | None] = mapped_column(String(256))
+    target: Mapped[str | None] = mapped_column(NulSafeString(256))
     details: Mapped[dict[str, Any]]
     status_code: Mapped[int]
 
@@ -345,7 +343,7 @@ class DataDeletion(Base):
 
     id: Mapped[int] = mapped_column(SequenceInt, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(String(64))
-    end_user: Mapped[str] = mapped_column(String(256))
+    end_user: Mapped[str] = mapped_column(NulSafeString(256))
     deleted_at: Mapped[datetime] = mapped_column(default=utcnow)
     actor: Mapped[str] = mapped_column(String(200))
     counts: Mapped[dict[str, Any]]

@@ -114,3 +114,28 @@ def test_orphan_feedback_and_unknown_key_do_not_block(engine: Engine) -> None:
         )
     assert stored is not None and stored.api_key_id is None
     assert orphan_rows == 0
+
+
+NUL_TEXT = "a\x00b \uffff0 \uffff1 \uffff\x00 end\x00"  # NUL, the escape mark and text that looks escaped
+
+
+def test_text_with_nul_characters_is_stored_and_read_back_unchanged(engine: Engine) -> None:
+    """PostgreSQL refuses U+0000 in text and JSONB; the record must still be stored exactly, not set aside."""
+    tenant = new_tenant()
+    rec = completion(tenant, end_user=f"user{NUL_TEXT}", session_key=f"chat{NUL_TEXT}", seed=2)
+    rec.request_messages = [{"role": "user", "content": NUL_TEXT, NUL_TEXT: [NUL_TEXT, 1, None]}]
+    rec.metadata = {"note": NUL_TEXT}
+    rec.choices[0].text = NUL_TEXT
+    event = feedback(rec, score=1.0, rating="up")
+    event.comment, event.corrected_answer = NUL_TEXT, NUL_TEXT
+    _write(engine, [rec], [event])
+    with make_session_factory(engine)() as session:
+        view = get_completion_view(session, tenant_id=tenant, completion_id=rec.id)
+        conversation = session.scalars(select(ConversationSession).where(ConversationSession.tenant_id == tenant)).one()
+    assert view is not None
+    assert view.request_messages == rec.request_messages and view.metadata == rec.metadata
+    assert (view.end_user, view.session_key) == (f"user{NUL_TEXT}", f"chat{NUL_TEXT}")
+    assert view.choices[0].text == NUL_TEXT and conversation.session_key == f"chat{NUL_TEXT}"
+    current = view.choices[0].feedback
+    assert current is not None and (current.comment, current.corrected_answer) == (NUL_TEXT, NUL_TEXT)
+    assert current.history[0].comment == NUL_TEXT
