@@ -2,7 +2,8 @@
 
 A backend turns a ``PackedMicroBatch`` into ``[T, V]`` logits its own way (a transformers model, a
 megatron-core ``GPTModel``) and hands them to ``micro_batch_loss``, which computes log-probs and
-entropy, lays advantages and old/behaviour log-probs onto the packed row, and calls the built-in
+entropy (or takes them precomputed: under megatron's context parallel each rank scores its part of
+the row and the ``[T]`` scores are gathered, see ``target_scores``), lays advantages and old/behaviour log-probs onto the packed row, and calls the built-in
 policy loss (``learner.algorithms``) or a CUSTOM_LOSS plugin. ``prepare_step`` checks a step's inputs
 once. Every value is reduced with the whole step's sample and token counts, so micro-batch losses
 add up to the step's and gradients accumulate to the one big batch's.
@@ -36,10 +37,12 @@ __all__ = [
     "all_finite",
     "call_custom_loss",
     "compute_advantages",
+    "entropy_in_loss",
     "micro_batch_loss",
     "prepare_step",
     "shifted",
     "step_metrics",
+    "target_scores",
     "token_log_probs",
     "token_log_probs_and_entropy",
 ]
@@ -52,11 +55,30 @@ def shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
     return out.index_fill(0, starts, 0.0)
 
 
-def token_log_probs_and_entropy(logits: Tensor, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+def entropy_in_loss(config: TrainConfig) -> bool:
+    """Whether the entropy joins the graph (an entropy loss, while training); it is always reported."""
+    return config.loss.entropy_coef != 0 and torch.is_grad_enabled()
+
+
+def target_scores(
+    logits: Tensor, targets: Tensor, *, with_entropy: bool = True, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Unshifted ``[T]`` float32 ``log p(targets[t])`` from ``[T, V]`` logits, with gradient, and the
+    entropy at each position: zeros unless ``with_entropy``, with gradient when ``entropy_grad``."""
+    log_probs, entropy = target_log_probs(logits, targets, with_entropy=with_entropy and not entropy_grad)
+    if entropy_grad:
+        entropy = entropy_from_logits(logits)
+    return log_probs, entropy
+
+
+def token_log_probs_and_entropy(
+    logits: Tensor, batch: PackedMicroBatch, *, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
     """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits, with
-    gradient, and the ``[T]`` entropy of the distribution token t was drawn from, without; 0 at sample starts."""
+    gradient, and the ``[T]`` entropy of the distribution token t was drawn from (with gradient only
+    when ``entropy_grad``); 0 at sample starts."""
     targets = batch.input_ids.to(logits.device).roll(-1)  # position t scores token t + 1
-    log_probs, entropy = target_log_probs(logits, targets, with_entropy=True)
+    log_probs, entropy = target_scores(logits, targets, entropy_grad=entropy_grad)
     return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
 
 
@@ -181,27 +203,38 @@ def micro_batch_loss(
     inputs: StepInputs,
     samples: Sequence[Sample],
     batch: PackedMicroBatch,
-    logits: Tensor,
+    logits: Tensor | None,
     *,
     ref_log_probs: Tensor | None = None,
+    token_scores: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts.
 
     ``logits`` is ``[T, V]`` with gradient; ``ref_log_probs`` the frozen reference's ``[T]`` log-probs
-    when the KL loss is on.
+    when the KL loss is on. ``token_scores``: the ``(log_probs, entropy)`` that
+    ``token_log_probs_and_entropy(logits, batch, entropy_grad=entropy_in_loss(config))`` gives,
+    computed elsewhere (megatron's context parallel); ``logits`` may then be None unless a CUSTOM_LOSS
+    plugin needs them.
+
+    Raises:
+        ValueError: neither logits nor token scores, or a CUSTOM_LOSS plugin without logits.
     """
     loss_config = config.loss
-    device = logits.device
+    if token_scores is None:
+        if logits is None:
+            raise ValueError("micro_batch_loss needs the logits or the token scores")
+        # Entropy is always reported (train/entropy_loss); it joins the graph only when it is in the loss.
+        token_scores = token_log_probs_and_entropy(logits, batch, entropy_grad=entropy_in_loss(config))
+    log_probs, entropy = token_scores
+    device = log_probs.device
     cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
-    # Entropy is always reported (train/entropy_loss); it joins the graph only when it is in the loss.
-    log_probs, entropy = token_log_probs_and_entropy(logits, batch)
-    if loss_config.entropy_coef != 0 and torch.is_grad_enabled():
-        entropy = shifted(entropy_from_logits(logits), batch.cu_seqlens)
     sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device)
     token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
     old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
     rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
     if inputs.custom is not None:
+        if logits is None:
+            raise ValueError("a CUSTOM_LOSS plugin is handed the [T, V] logits; none were given")
         tensors = {
             "input_ids": batch.input_ids.to(device),
             "position_ids": batch.position_ids.to(device),
