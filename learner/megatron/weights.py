@@ -67,7 +67,11 @@ def load_hf_weights(model: nn.Module, model_dir: Path, hf: object, config: Megat
 
 def gather_hf_weights(model: nn.Module, hf: object, config: MegatronConfig) -> dict[str, Tensor] | None:
     """The whole model under HF names on global rank 0 (on the CPU); None on every other rank."""
-    local = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    # copies: with the distributed optimizer the weights are views into one flat buffer, which gather_object
+    # pickles whole and the safetensors export refuses (tensors sharing a storage they do not cover)
+    local = {
+        k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if not k.endswith("_extra_state")
+    }
     if dist.get_world_size() == 1:
         return to_hf(local, hf)
     # Expert-parallel ranks are carved out of the data-parallel ones: the first replica of the experts
