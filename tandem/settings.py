@@ -157,6 +157,13 @@ class Settings(BaseSettings):
         MegatronConfig.from_dict(value)  # every invalid size or combination, named, at start-up
         return value
 
+    @model_validator(mode="after")
+    def _custom_loss_fits_the_layout(self) -> Settings:
+        refusal = MegatronConfig.from_dict(self.learn_megatron).custom_loss_refusal()
+        if self.learn_backend == "megatron" and self.learn_custom_loss_path and refusal:
+            raise ValueError(refusal)
+        return self
+
     @field_validator("wandb_project")
     @classmethod
     def _wandb_installed(cls, value: str) -> str:

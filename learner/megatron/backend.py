@@ -13,6 +13,14 @@ step's sample and token counts, so gradients must be summed, not averaged. Megat
 divides each micro-batch loss by their number and its DDP averages over data-parallel replicas;
 ``_loss_scale`` undoes both (as slime does).
 
+Context parallel (``context_parallel`` > 1, ``learner.megatron.context_parallel``): each sample of a
+micro-batch is padded to a multiple of ``2 * cp`` and every CP rank runs two chunks of it (``r`` and
+``2 * cp - 1 - r``); attention all-gathers keys and values (``SDPAttention``). Each rank scores the
+positions it holds (log-prob of the next token and entropy, ``[held]``, not ``[held, V]``), the scores
+are all-gathered with gradient into the whole row, padding dropped, and every CP rank computes the
+same shared loss on it. The gather's backward sums the CP ranks' gradients, so each rank's part gets
+``cp`` times the loss gradient; ``_loss_scale`` divides it out (see there).
+
 Several processes: every rank must take the same decisions at the same collectives, or one waits
 forever for another. So a step is refused on what every rank sees alike: the loss (computed on the
 last pipeline stage only, flagged across the world after the schedule, never raised inside it), the
@@ -41,6 +49,7 @@ from transformers import AutoConfig
 
 from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples
 from learner.megatron.config import MegatronConfig, check_model
+from learner.megatron.context_parallel import RowSplit, split_row
 from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
 from learner.megatron.model import build_model
 from learner.megatron.weights import gather_hf_weights, load_hf_weights
@@ -48,9 +57,12 @@ from learner.sample import Sample
 from learner.trainers.step_loss import (
     StepInputs,
     all_finite,
+    entropy_in_loss,
     micro_batch_loss,
     prepare_step,
+    shifted,
     step_metrics,
+    target_scores,
     token_log_probs,
 )
 from learner.trainers.train_config import TrainConfig, TrainingDiverged
@@ -157,8 +169,12 @@ class MegatronPolicy:
         device = _device()
         ids, positions, cu_seqlens = batch.input_ids, batch.position_ids, batch.cu_seqlens.to(torch.int32)
         multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
-        padding = -len(ids) % multiple
-        if padding:  # sequence parallel splits the row evenly: a dummy segment fills it up
+        keep = len(ids)
+        if self.config.context_parallel > 1:  # this rank's chunks; attention and RoPE read the global bounds
+            split = self._row_split(batch)
+            ids, positions, cu_seqlens = split.local(ids), split.positions, split.cu_seqlens
+            keep = len(ids)
+        elif padding := -len(ids) % multiple:  # sequence parallel splits the row evenly: a dummy segment
             ids = torch.cat([ids, ids.new_zeros(padding)])
             positions = torch.cat([positions, torch.arange(padding)])
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([len(ids)])])
@@ -171,7 +187,30 @@ class MegatronPolicy:
             max_seqlen_kv=longest,
         )
         output = self.module(ids[None].to(device), positions[None].to(device), None, packed_seq_params=packed)
-        return output[0, : len(batch.input_ids)] if parallel_state.is_pipeline_last_stage() else output
+        return output[0, :keep] if parallel_state.is_pipeline_last_stage() else output
+
+    def _row_split(self, batch: PackedMicroBatch) -> RowSplit:
+        """This context-parallel rank's part of ``batch``'s row (cached: forward and loss both ask)."""
+        return split_row(
+            tuple(batch.cu_seqlens.diff().tolist()),
+            size=self.config.context_parallel,
+            rank=parallel_state.get_context_parallel_rank(),
+            row_multiple=self.config.tensor_parallel if self.config.sequence_parallel else 1,
+        )
+
+    def _row_scores(
+        self, output: Tensor, batch: PackedMicroBatch, *, with_entropy: bool = True, entropy_grad: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Under context parallel, the whole row's ``[T]`` log-probs and entropy, as
+        ``token_log_probs_and_entropy`` gives them from the whole row's logits: this rank scores the
+        positions it holds against their next tokens, and the ``[held, 2]`` scores are gathered."""
+        split = self._row_split(batch)
+        logits = self._full_vocab(output)
+        targets = split.targets(batch.input_ids).to(logits.device)
+        scores = target_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        row = split.gather_row(torch.stack(scores, dim=1), parallel_state.get_context_parallel_group())
+        log_probs, entropy = row.unbind(1)
+        return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
 
     def _full_vocab(self, logits: Tensor) -> Tensor:
         if self.config.tensor_parallel == 1:
@@ -210,10 +249,15 @@ class MegatronPolicy:
     def micro_batch_log_probs(self, batches: Sequence[PackedMicroBatch]) -> list[Tensor]:
         """``[T]`` token log-probs of each packed row (``torch_backend.compute_log_probs``'s values);
         on the last pipeline stage, empty elsewhere."""
+        if not batches:  # a data-parallel replica with no sample of its own to score
+            return []
         self.module.eval()
 
         def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            log_probs = token_log_probs(self._full_vocab(output), item.batch)
+            if self.config.context_parallel > 1:
+                log_probs = self._row_scores(output, item.batch, with_entropy=False)[0]
+            else:
+                log_probs = token_log_probs(self._full_vocab(output), item.batch)
             return output.new_zeros(()), {"log_probs": log_probs}
 
         outputs = self._schedule([_Item(b) for b in batches], loss, forward_only=True)
@@ -241,7 +285,16 @@ class MegatronPolicy:
     # training
 
     def _loss_scale(self, num_microbatches: int) -> float:
-        return float(num_microbatches * parallel_state.get_data_parallel_world_size())
+        """The factor on each micro-batch's loss that makes the gradients the sum over the step's.
+
+        Megatron's schedule multiplies a loss by ``cp / num_microbatches``; DDP sums the gradients over
+        the ``dp * cp`` ranks of the data-parallel-with-CP group and divides by ``dp * cp``. Each CP rank
+        computes the whole row's loss, and the score gather's backward sums the ``cp`` ranks' (equal)
+        gradients, so each rank's part of the row gets ``cp`` times its true gradient. Together:
+        ``scale * (cp / n) * cp / (dp * cp)`` must be 1.
+        """
+        cp = self.config.context_parallel
+        return num_microbatches * parallel_state.get_data_parallel_world_size() / cp
 
     def _refuse(self, message: str) -> None:
         self.module.zero_grad_buffer()
@@ -272,6 +325,9 @@ class MegatronPolicy:
             old_log_probs=old_log_probs,  # type: ignore[arg-type]
             advantages=advantages,
         )
+        refusal = self.config.custom_loss_refusal()
+        if inputs.custom is not None and refusal:
+            raise ValueError(refusal)
         items = self.micro_batches(samples, config)
         if ref is not None and config.loss.kl_loss_coef != 0:
             refs = ref.micro_batch_log_probs([item.batch for item in items])
@@ -285,9 +341,15 @@ class MegatronPolicy:
 
         def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
             nonlocal non_finite
-            value, parts = micro_batch_loss(
-                config, inputs, samples, item.batch, self._full_vocab(output), ref_log_probs=item.ref_log_probs
-            )
+            if self.config.context_parallel > 1:  # no custom loss here (TrainConfig refuses it)
+                scores = self._row_scores(output, item.batch, entropy_grad=entropy_in_loss(config))
+                value, parts = micro_batch_loss(
+                    config, inputs, samples, item.batch, None, ref_log_probs=item.ref_log_probs, token_scores=scores
+                )
+            else:
+                value, parts = micro_batch_loss(
+                    config, inputs, samples, item.batch, self._full_vocab(output), ref_log_probs=item.ref_log_probs
+                )
             if non_finite == 0.0 and not math.isfinite(float(value.detach())):
                 non_finite = float(value.detach())
             return value * (scale * item.weight), {k: v * item.weight for k, v in parts.items()}

@@ -16,7 +16,6 @@ role is checked when the config is made.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -112,13 +111,6 @@ class MegatronConfig:
             )
         if self.sequence_parallel and self.tensor_parallel == 1:
             errors.append("sequence_parallel needs tensor_parallel > 1 (it splits the tensor-parallel activations)")
-        if self.context_parallel > 1 and importlib.util.find_spec("transformer_engine") is None:
-            errors.append(
-                "context_parallel > 1 needs TransformerEngine's attention (ring exchange of keys and values), "
-                "which is not installed; the sdpa and local attention paths see whole sequences"
-            )
-        elif self.context_parallel > 1:
-            errors.append("context_parallel > 1 is not wired to a TransformerEngine layer spec yet")
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
             errors.append("optimizer_cpu_offload needs distributed_optimizer (megatron offloads the sharded state)")
         if self.recompute not in get_args(Recompute):
@@ -128,6 +120,17 @@ class MegatronConfig:
         if self.max_tokens_per_device is not None and self.max_tokens_per_device < 1:
             errors.append(f"max_tokens_per_device must be >= 1, got {self.max_tokens_per_device}")
         return errors
+
+    def custom_loss_refusal(self) -> str | None:
+        """Why a CUSTOM_LOSS plugin cannot train with this layout; None when it can."""
+        if self.context_parallel > 1:
+            return (
+                "a CUSTOM_LOSS plugin (custom_loss_path) cannot run with context_parallel > 1: its contract "
+                "hands it the [T, V] logits of the whole packed row, and under context parallel each rank "
+                "has the logits of its part of the row only (the built-in losses gather per-token log-probs "
+                "and entropy instead)"
+            )
+        return None
 
     @property
     def data_parallel(self) -> int:

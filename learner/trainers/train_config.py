@@ -55,6 +55,9 @@ class TrainConfig:
             errors.append("use_rollout_logprobs and use_tis exclude each other (TIS corrects the trainer's log-probs)")
         if self.backend not in get_args(Backend):
             errors.append(f"backend must be one of {get_args(Backend)}, got {self.backend!r}")
+        refusal = self.megatron.custom_loss_refusal()
+        if self.backend == "megatron" and self.custom_loss_path is not None and refusal:
+            errors.append(refusal)
         if errors:
             raise ValueError("invalid train config: " + "; ".join(errors))
         if self.custom_loss_path is not None:

@@ -36,6 +36,23 @@ def test_a_full_layout_divides_the_devices() -> None:
     assert config.data_parallel == 4
 
 
+def test_context_parallel_combines_with_the_other_sizes() -> None:
+    config = MegatronConfig(devices=16, tensor_parallel=2, pipeline_parallel=2, context_parallel=2)
+    assert config.data_parallel == 2
+    with pytest.raises(ValueError, match=r"devices=6 is not a multiple of .* = 2 x 1 x 4 = 8"):
+        MegatronConfig(devices=6, tensor_parallel=2, context_parallel=4)
+
+
+def test_a_custom_loss_is_refused_with_context_parallel() -> None:
+    plugin = "tests.learner.plugins_examples:loss_vanilla_policy_gradient"
+    layout = MegatronConfig(devices=2, context_parallel=2)
+    with pytest.raises(ValueError, match=r"custom_loss_path\) cannot run with context_parallel > 1: .*\[T, V\] logits"):
+        TrainConfig(backend="megatron", megatron=layout, custom_loss_path=plugin)
+    TrainConfig(backend="megatron", megatron=layout)  # the built-in losses gather per-token scores
+    TrainConfig(backend="megatron", megatron=MegatronConfig(devices=2), custom_loss_path=plugin)
+    TrainConfig(backend="torch", megatron=layout, custom_loss_path=plugin)  # the layout is not used
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -43,7 +60,6 @@ def test_a_full_layout_divides_the_devices() -> None:
         ({"devices": 4, "expert_parallel": 8}, "not a multiple of expert_parallel x tensor_parallel"),
         ({"sequence_parallel": True}, "sequence_parallel needs tensor_parallel > 1"),
         ({"optimizer_cpu_offload": True}, "optimizer_cpu_offload needs distributed_optimizer"),
-        ({"devices": 2, "context_parallel": 2}, "context_parallel > 1 needs TransformerEngine"),
         ({"recompute": "sometimes"}, "recompute must be one of"),
         ({"recompute_num_layers": 2}, "recompute_num_layers applies only to recompute='full'"),
         ({"tensor_parallel": 0}, "sizes must be integers >= 1 (tensor_parallel=0)"),
@@ -115,4 +131,9 @@ def test_settings_refuse_an_invalid_layout_at_start_up(monkeypatch: pytest.Monke
     assert settings.learn_backend == "megatron" and settings.learn_megatron["tensor_parallel"] == 2
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"sequence_parallel": true}')
     with pytest.raises(ValidationError, match="sequence_parallel needs tensor_parallel > 1"):
+        Settings()
+    monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"devices": 2, "context_parallel": 2}')
+    assert Settings().learn_megatron["context_parallel"] == 2
+    monkeypatch.setenv("TANDEM_LEARN_CUSTOM_LOSS_PATH", "tests.learner.plugins_examples:loss_vanilla_policy_gradient")
+    with pytest.raises(ValidationError, match="cannot run with context_parallel > 1"):
         Settings()

@@ -1,8 +1,9 @@
 """Megatron layouts over two processes (gloo on the CPU), through the real training child, against one process.
 
 The same request (two PPO steps with old log-probs, the KL loss to a megatron reference, gradient
-clipping, several micro-batches) runs in a world of one and with tensor, pipeline and data
-parallelism over two ranks: the loss parts and gradient norm of each step, and the exported weights,
+clipping, several micro-batches) runs in a world of one and with tensor, pipeline, data and context
+parallelism over two ranks (context parallel also with the distributed optimizer, and with tensor
+parallel over four ranks): the loss parts and gradient norm of each step, and the exported weights,
 must agree within float32 rounding. The model is the tiny Qwen2 in float32 with tied embeddings, so
 the export is compared unrounded and the pipeline layout shares the embeddings across its stages.
 A rank that dies or hangs fails the run and leaves no process behind.
@@ -30,6 +31,12 @@ LAYOUTS = {
     "tensor_parallel=2": MegatronConfig(devices=2, tensor_parallel=2),
     "pipeline_parallel=2": MegatronConfig(devices=2, pipeline_parallel=2),
     "data_parallel=2": MegatronConfig(devices=2),
+    "context_parallel=2": MegatronConfig(devices=2, context_parallel=2),
+    # the optimizer sharded over the data-parallel-with-CP group; its weights are views of one buffer
+    "context_parallel=2, distributed optimizer": MegatronConfig(
+        devices=2, context_parallel=2, distributed_optimizer=True
+    ),
+    "context_parallel=2 x tensor_parallel=2": MegatronConfig(devices=4, context_parallel=2, tensor_parallel=2),
 }
 CONFIG = TrainConfig(
     backend="megatron",
