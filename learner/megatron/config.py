@@ -16,6 +16,7 @@ role is checked when the config is made.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -111,6 +112,11 @@ class MegatronConfig:
             )
         if self.sequence_parallel and self.tensor_parallel == 1:
             errors.append("sequence_parallel needs tensor_parallel > 1 (it splits the tensor-parallel activations)")
+        if self.sequence_parallel and not any(importlib.util.find_spec(m) for m in ("transformer_engine", "apex")):
+            errors.append(
+                "sequence_parallel needs TransformerEngine or Apex: without them megatron-core's layer spec "
+                "uses torch's RMSNorm, which refuses sequence parallel"
+            )
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
             errors.append("optimizer_cpu_offload needs distributed_optimizer (megatron offloads the sharded state)")
         if self.recompute not in get_args(Recompute):

@@ -25,7 +25,6 @@ def test_a_full_layout_divides_the_devices() -> None:
         tensor_parallel=2,
         pipeline_parallel=2,
         expert_parallel=4,
-        sequence_parallel=True,
         distributed_optimizer=True,
         optimizer_cpu_offload=True,
         recompute="full",
@@ -59,6 +58,10 @@ def test_a_custom_loss_is_refused_with_context_parallel() -> None:
         ({"devices": 6, "tensor_parallel": 4}, "devices=6 is not a multiple of tensor_parallel x pipeline_parallel"),
         ({"devices": 4, "expert_parallel": 8}, "not a multiple of expert_parallel x tensor_parallel"),
         ({"sequence_parallel": True}, "sequence_parallel needs tensor_parallel > 1"),
+        (
+            {"sequence_parallel": True, "devices": 2, "tensor_parallel": 2},
+            "sequence_parallel needs TransformerEngine or Apex",
+        ),
         ({"optimizer_cpu_offload": True}, "optimizer_cpu_offload needs distributed_optimizer"),
         ({"recompute": "sometimes"}, "recompute must be one of"),
         ({"recompute_num_layers": 2}, "recompute_num_layers applies only to recompute='full'"),
@@ -76,7 +79,7 @@ def test_invalid_combinations_fail_with_the_reason(values: dict[str, object], me
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ValueError) as raised:
         MegatronConfig(sequence_parallel=True, optimizer_cpu_offload=True, recompute_num_layers=3)
-    assert str(raised.value).count(";") == 2
+    assert str(raised.value).count(";") == 3  # sequence parallel twice: no tensor parallel, no fused norm
 
 
 def test_role_overrides_resolve_and_are_checked() -> None:
