@@ -423,11 +423,18 @@ class PaddedRows:
     position_ids: torch.Tensor  # [B, L]; counting on through the padding (a restart would read as a new sample)
     token_index: torch.Tensor | None  # [T]: where each packed token sits in the flattened [B * L]; None: no padding
 
+    def packed(self, output: torch.Tensor) -> torch.Tensor:
+        """The packed row's ``[T, ...]`` from the model's ``[B, L, ...]`` output."""
+        flat = output.flatten(0, 1)
+        return flat if self.token_index is None else flat.index_select(0, self.token_index.to(flat.device))
 
-def padded_rows(batch: PackedMicroBatch) -> PaddedRows:
-    """``batch``'s samples as right-padded rows; ``flat[token_index]`` maps ``[B * L, ...]`` back to packed."""
+
+def padded_rows(batch: PackedMicroBatch, *, length_multiple: int = 1) -> PaddedRows:
+    """``batch``'s samples as right-padded rows of a length divisible by ``length_multiple`` (sequence
+    parallel splits a row evenly); ``PaddedRows.packed`` maps ``[B, L, ...]`` back to packed."""
     lengths = batch.cu_seqlens.diff().tolist()
     longest = max(lengths)
+    longest += -longest % length_multiple
     positions = torch.arange(longest).expand(len(lengths), longest)
     if all(length == longest for length in lengths):
         return PaddedRows(batch.input_ids.view(len(lengths), longest), positions, None)

@@ -3,9 +3,9 @@
 ``MegatronPolicy`` is one model role on this rank: built for the layout in ``MegatronConfig``
 (``model``), loaded from the HF folder (``weights``), and, when trainable, wrapped in megatron's
 ``DistributedDataParallel`` with its optimizer (Adam; distributed, CPU-offloaded and bf16 variants
-as configured). Micro-batches are the trainer's packed rows (``learner.batching``) fed as
-``thd`` packed sequences through megatron's forward/backward schedule, so pipeline parallelism works
-the same as one stage. The loss of each micro-batch is ``learner.trainers.step_loss`` on the
+as configured). Micro-batches are the trainer's packed rows (``learner.batching``), fed as
+right-padded ``[B, L]`` rows (the torch backend's layout: one fused causal attention call per layer)
+through megatron's forward/backward schedule, so pipeline parallelism works the same as one stage. The loss of each micro-batch is ``learner.trainers.step_loss`` on the
 vocabulary-gathered logits: the torch backend's own code, with the same reductions.
 
 Loss scaling across micro-batches and replicas: the shared loss is already normalised by the whole
@@ -47,7 +47,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 from transformers import AutoConfig
 
-from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples
+from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
 from learner.megatron.config import MegatronConfig, check_model
 from learner.megatron.context_parallel import RowSplit, split_row
 from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
@@ -165,19 +165,24 @@ class MegatronPolicy:
     # forward
 
     def _forward(self, batch: PackedMicroBatch) -> Tensor:
-        """The packed row's ``[T, V / tp]`` logits (on the last pipeline stage; else hidden states)."""
+        """The packed row's ``[T, V / tp]`` logits (on the last pipeline stage; else hidden states).
+
+        The samples go in as right-padded ``[B, L]`` rows under the causal mask, as in the torch
+        backend: one fused causal attention call per layer (a packed row attends a sample at a time).
+        Context parallel needs the packed row: it splits each sample across ranks.
+        """
+        if self.config.context_parallel > 1:
+            return self._forward_packed(batch)
+        rows = padded_rows(batch, length_multiple=self._row_multiple())
         device = _device()
-        ids, positions, cu_seqlens = batch.input_ids, batch.position_ids, batch.cu_seqlens.to(torch.int32)
-        multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
-        keep = len(ids)
-        if self.config.context_parallel > 1:  # this rank's chunks; attention and RoPE read the global bounds
-            split = self._row_split(batch)
-            ids, positions, cu_seqlens = split.local(ids), split.positions, split.cu_seqlens
-            keep = len(ids)
-        elif padding := -len(ids) % multiple:  # sequence parallel splits the row evenly: a dummy segment
-            ids = torch.cat([ids, ids.new_zeros(padding)])
-            positions = torch.cat([positions, torch.arange(padding)])
-            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([len(ids)])])
+        output = self.module(rows.input_ids.to(device), rows.position_ids.to(device), None)
+        return rows.packed(output) if parallel_state.is_pipeline_last_stage() else output
+
+    def _forward_packed(self, batch: PackedMicroBatch) -> Tensor:
+        """``_forward`` for context parallel: this rank's chunks of the packed row as ``thd`` segments
+        (attention and RoPE read the global bounds)."""
+        split = self._row_split(batch)
+        cu_seqlens = split.cu_seqlens.to(torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         packed = PackedSeqParams(
             qkv_format="thd",
@@ -186,8 +191,14 @@ class MegatronPolicy:
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         )
-        output = self.module(ids[None].to(device), positions[None].to(device), None, packed_seq_params=packed)
-        return output[0, :keep] if parallel_state.is_pipeline_last_stage() else output
+        ids = split.local(batch.input_ids)
+        device = _device()
+        output = self.module(ids[None].to(device), split.positions[None].to(device), None, packed_seq_params=packed)
+        return output[0] if parallel_state.is_pipeline_last_stage() else output
+
+    def _row_multiple(self) -> int:
+        """Sequence parallel splits a row's tokens evenly over the tensor-parallel ranks."""
+        return self.config.tensor_parallel if self.config.sequence_parallel else 1
 
     def _row_split(self, batch: PackedMicroBatch) -> RowSplit:
         """This context-parallel rank's part of ``batch``'s row (cached: forward and loss both ask)."""
@@ -195,7 +206,7 @@ class MegatronPolicy:
             tuple(batch.cu_seqlens.diff().tolist()),
             size=self.config.context_parallel,
             rank=parallel_state.get_context_parallel_rank(),
-            row_multiple=self.config.tensor_parallel if self.config.sequence_parallel else 1,
+            row_multiple=self._row_multiple(),
         )
 
     def _row_scores(
@@ -232,6 +243,8 @@ class MegatronPolicy:
             item = next(data)
             return self._forward(item.batch), functools.partial(loss, item)
 
+        # Shapes are exchanged between pipeline stages (variable_seq_lengths): these are upper bounds.
+        longest, rows = max(len(i.batch.input_ids) for i in items), max(len(i.batch.sample_indices) for i in items)
         with cuda_as_cpu():
             return list(
                 get_forward_backward_func()(
@@ -239,8 +252,8 @@ class MegatronPolicy:
                     data_iterator=queue,
                     model=[self.module],
                     num_microbatches=len(items),
-                    seq_length=max(len(i.batch.input_ids) for i in items),
-                    micro_batch_size=1,
+                    seq_length=longest,
+                    micro_batch_size=rows,
                     forward_only=forward_only,
                 )
             )

@@ -53,9 +53,7 @@ def _forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
     """
     device = next(model.parameters()).device
     rows = padded_rows(batch)
-    logits = model(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device)).logits
-    flat = logits.flatten(0, 1)
-    return flat if rows.token_index is None else flat.index_select(0, rows.token_index.to(device))
+    return rows.packed(model(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device)).logits)
 
 
 def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:

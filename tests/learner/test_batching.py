@@ -415,7 +415,9 @@ def test_padded_rows_lay_each_sample_in_its_own_row_and_map_back() -> None:
     assert rows.input_ids.tolist() == [[4, 5, 6, 7, 8], [1, 2, 3, 0, 0], [9, 10, 0, 0, 0]]
     assert rows.position_ids.tolist() == [list(range(5))] * 3  # counting on through the padding
     assert rows.token_index is not None
-    assert rows.input_ids.flatten()[rows.token_index].tolist() == packed.input_ids.tolist()
+    assert rows.packed(rows.input_ids).tolist() == packed.input_ids.tolist()
+    hidden = rows.input_ids[..., None].expand(3, 5, 2)  # a [B, L, H] output maps back to [T, H]
+    assert rows.packed(hidden)[:, 1].tolist() == packed.input_ids.tolist()
 
     equal = [
         Sample(prompt_token_ids=[9], response_token_ids=[10]),
@@ -424,3 +426,7 @@ def test_padded_rows_lay_each_sample_in_its_own_row_and_map_back() -> None:
     same_length = padded_rows(collate_micro_batch(equal, MicroBatch((0, 1), (0, 2, 4))))
     assert same_length.input_ids.tolist() == [[9, 10], [11, 12]]
     assert same_length.token_index is None  # no padding: the rows flattened are the packed row
+
+    even = padded_rows(collate_micro_batch(equal, MicroBatch((0, 1), (0, 2, 4))), length_multiple=4)
+    assert even.input_ids.tolist() == [[9, 10, 0, 0], [11, 12, 0, 0]]  # sequence parallel: L divisible by 4
+    assert even.packed(even.input_ids).tolist() == [9, 10, 11, 12]

@@ -232,7 +232,8 @@ def test_context_parallel_steps_like_one_process(
 
     assert got["totals"].keys() == expected["totals"].keys()
     for part, value in expected["totals"].items():
-        assert got["totals"][part] == pytest.approx(value, rel=1e-5, abs=1e-7), part
+        # abs: the KL parts are means of log-prob differences, and the log-probs agree within 2e-6 below
+        assert got["totals"][part] == pytest.approx(value, rel=1e-5, abs=1e-6), part
     for mine, theirs in zip(got["log_probs"], expected["log_probs"], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-6)
     assert got["grads"].keys() == expected["grads"].keys()
