@@ -23,6 +23,7 @@ import json
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,13 +85,28 @@ def _profile(step: Callable[[], dict[str, float]], device: str) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
         step()
         _sync(device)
     averages = profiler.key_averages()
     for key in ("self_cpu_time_total", "self_device_time_total" if device == "cuda" else None):
         if key:
-            print(averages.table(sort_by=key, row_limit=20, max_name_column_width=60))
+            print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60))
+    # where the host waits for the device: each item() / tolist() / float() of a device tensor
+    reads = Counter(_call_site(event) for event in profiler.events() if event.name == "aten::_local_scalar_dense")
+    print(f"{sum(reads.values())} device-to-host scalar reads:")
+    for site, count in reads.most_common(15):
+        print(f"  {count:4d}  {site}")
+
+
+def _call_site(event: Any) -> str:
+    """The innermost frame of tandem's or megatron's code that led to ``event`` (the profiler records
+    Python frames as parent events)."""
+    while event is not None and (
+        not any(root in event.name for root in ("learner/", "megatron/")) or "cpu_compat" in event.name
+    ):
+        event = event.cpu_parent
+    return "?" if event is None else event.name
 
 
 def torch_backend(

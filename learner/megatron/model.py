@@ -33,7 +33,9 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from transformers import PretrainedConfig
 
 from learner.megatron import deepseek
+from learner.megatron.compiled_fusions import install_compiled_rope
 from learner.megatron.config import MegatronConfig
+from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern, num_experts
 from learner.megatron.sdpa_attention import SDPAttention
 
@@ -76,8 +78,9 @@ def _refusals(hf: PretrainedConfig) -> list[str]:
     return refusals
 
 
-def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> TransformerConfig:
-    """The megatron ``TransformerConfig`` equivalent to ``hf`` under ``parallel``'s layout.
+def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig, *, fused: bool = False) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` equivalent to ``hf`` under ``parallel``'s layout; ``fused``:
+    with the compiled SwiGLU kernel (``compiled_fusions``).
 
     Raises:
         UnsupportedModel: a model type or feature this backend does not reproduce exactly.
@@ -136,8 +139,8 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig) -> Transf
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # the fused CUDA kernels are optional; unfused paths keep CPU and GPU numerics alike
-        bias_activation_fusion=False,
+        # SwiGLU as one compiled kernel on CUDA (compiled_fusions); the other fusions need TE or Apex
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -202,12 +205,17 @@ def build_model(
     attention: AttentionKind = "sdpa",
     pre_process: bool = True,
     post_process: bool = True,
+    fused: bool | None = None,
 ) -> GPTModel:
     """An unloaded ``GPTModel`` for ``hf`` (weights come from ``hf_convert``), on the CPU.
 
-    Needs ``megatron.core.parallel_state`` initialised (``runtime.init_parallel``).
+    ``fused``: RoPE and SwiGLU through ``torch.compile`` (``compiled_fusions``); by default on CUDA
+    machines. Needs ``megatron.core.parallel_state`` initialised (``runtime.init_parallel``).
     """
-    config = transformer_config(hf, parallel)
+    fused = not on_cpu() if fused is None else fused
+    if fused:
+        install_compiled_rope()
+    config = transformer_config(hf, parallel, fused=fused)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_specs(config, attention),
@@ -231,7 +239,19 @@ def build_model(
             )
         model.rotary_pos_emb.inv_freq = inv_freq
     _mark_split_weights(model, config)
+    _cast_to_params_dtype(model, config.params_dtype)
     return model
+
+
+def _cast_to_params_dtype(model: GPTModel, dtype: torch.dtype) -> None:
+    """Every weight in ``dtype``, as megatron's ``Float16Module`` leaves them for its own training loop.
+
+    Without TransformerEngine the norms are torch's, built in the default float32: a bf16 activation
+    through a float32 norm weight misses torch's fused RMSNorm kernel.
+    """
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
 
 
 def _mark_split_weights(model: GPTModel, config: TransformerConfig) -> None:

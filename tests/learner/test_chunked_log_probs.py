@@ -46,3 +46,18 @@ def test_entropy_is_left_out_unless_asked_and_shapes_are_checked() -> None:
     assert torch.equal(target_log_probs(logits, torch.zeros(4, dtype=torch.long))[1], torch.zeros(4))
     with pytest.raises(ValueError, match=r"\[T, V\]"):
         target_log_probs(logits[None], torch.zeros(4, dtype=torch.long))
+
+
+def test_the_compiled_kernels_cuda_runs_equal_the_eager_ones() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(37, 500, generator=generator) * 4).bfloat16()
+    weight = torch.randn(37, generator=generator)
+    log_z = chunked_log_probs._log_z(logits)
+    for function, args in (
+        (chunked_log_probs._log_z, (logits,)),
+        (chunked_log_probs._entropy, (logits, log_z)),
+        (chunked_log_probs._minus_p_times_g, (logits, log_z, weight)),
+    ):
+        compiled, eager = chunked_log_probs._compiled(function)(*args), function(*args)
+        assert compiled.dtype == eager.dtype
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5, msg=function.__name__)
