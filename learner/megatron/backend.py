@@ -177,7 +177,9 @@ class MegatronPolicy:
             return self._forward_packed(batch)
         rows = padded_rows(batch, length_multiple=self._row_multiple())
         device = _device()
-        output = self.module(rows.input_ids.to(device), rows.position_ids.to(device), None)
+        # non-blocking: a blocking host-to-device copy waits for the device's queue to drain
+        ids, positions = (x.to(device, non_blocking=True) for x in (rows.input_ids, rows.position_ids))
+        output = self.module(ids, positions, None)
         return rows.packed(output) if parallel_state.is_pipeline_last_stage() else output
 
     def _forward_packed(self, batch: PackedMicroBatch) -> Tensor:

@@ -33,7 +33,6 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from transformers import PretrainedConfig
 
 from learner.megatron import deepseek
-from learner.megatron.compiled_fusions import install_compiled_rope
 from learner.megatron.config import MegatronConfig
 from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern, num_experts
@@ -80,7 +79,7 @@ def _refusals(hf: PretrainedConfig) -> list[str]:
 
 def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig, *, fused: bool = False) -> TransformerConfig:
     """The megatron ``TransformerConfig`` equivalent to ``hf`` under ``parallel``'s layout; ``fused``:
-    with the compiled SwiGLU kernel (``compiled_fusions``).
+    SwiGLU as megatron's ``torch.compile``'d kernel (``megatron.core.jit``).
 
     Raises:
         UnsupportedModel: a model type or feature this backend does not reproduce exactly.
@@ -139,7 +138,7 @@ def transformer_config(hf: PretrainedConfig, parallel: MegatronConfig, *, fused:
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # SwiGLU as one compiled kernel on CUDA (compiled_fusions); the other fusions need TE or Apex
+        # SwiGLU as one compiled kernel on CUDA (build_model); the other fusions need TE or Apex
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -209,12 +208,13 @@ def build_model(
 ) -> GPTModel:
     """An unloaded ``GPTModel`` for ``hf`` (weights come from ``hf_convert``), on the CPU.
 
-    ``fused``: RoPE and SwiGLU through ``torch.compile`` (``compiled_fusions``); by default on CUDA
-    machines. Needs ``megatron.core.parallel_state`` initialised (``runtime.init_parallel``).
+    ``fused``: the compiled SwiGLU kernel, by default on CUDA machines (the CPU keeps the eager code:
+    no compile time in CI). Without TransformerEngine that is the one fusion worth its host time on
+    an H200: a compiled RoPE saved 8 ms of device time per 1.5B step and cost more in host time
+    (each compiled call's guards and autograd wrapper), with the step already waiting on the host.
+    Needs ``megatron.core.parallel_state`` initialised (``runtime.init_parallel``).
     """
     fused = not on_cpu() if fused is None else fused
-    if fused:
-        install_compiled_rope()
     config = transformer_config(hf, parallel, fused=fused)
     model = GPTModel(
         config=config,
