@@ -423,6 +423,11 @@ class PaddedRows:
     position_ids: torch.Tensor  # [B, L]; counting on through the padding (a restart would read as a new sample)
     token_index: torch.Tensor | None  # [T]: where each packed token sits in the flattened [B * L]; None: no padding
 
+    def inputs_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, position_ids)`` on ``device``, copied without blocking: a blocking host-to-device
+        copy waits for the device's queue to drain."""
+        return self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True)
+
     def packed(self, output: torch.Tensor) -> torch.Tensor:
         """The packed row's ``[T, ...]`` from the model's ``[B, L, ...]`` output."""
         flat = output.flatten(0, 1)

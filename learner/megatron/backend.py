@@ -5,8 +5,9 @@
 ``DistributedDataParallel`` with its optimizer (Adam; distributed, CPU-offloaded and bf16 variants
 as configured). Micro-batches are the trainer's packed rows (``learner.batching``), fed as
 right-padded ``[B, L]`` rows (the torch backend's layout: one fused causal attention call per layer)
-through megatron's forward/backward schedule, so pipeline parallelism works the same as one stage. The loss of each micro-batch is ``learner.trainers.step_loss`` on the
-vocabulary-gathered logits: the torch backend's own code, with the same reductions.
+through megatron's forward/backward schedule, so pipeline parallelism works the same as one stage.
+The loss of each micro-batch is ``learner.trainers.step_loss`` on the vocabulary-gathered logits:
+the torch backend's own code, with the same reductions.
 
 Loss scaling across micro-batches and replicas: the shared loss is already normalised by the whole
 step's sample and token counts, so gradients must be summed, not averaged. Megatron's schedule
@@ -176,10 +177,7 @@ class MegatronPolicy:
         if self.config.context_parallel > 1:
             return self._forward_packed(batch)
         rows = padded_rows(batch, length_multiple=self._row_multiple())
-        device = _device()
-        # non-blocking: a blocking host-to-device copy waits for the device's queue to drain
-        ids, positions = (x.to(device, non_blocking=True) for x in (rows.input_ids, rows.position_ids))
-        output = self.module(ids, positions, None)
+        output = self.module(*rows.inputs_on(_device()), None)
         return rows.packed(output) if parallel_state.is_pipeline_last_stage() else output
 
     def _forward_packed(self, batch: PackedMicroBatch) -> Tensor:

@@ -53,7 +53,8 @@ def _forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
     """
     device = next(model.parameters()).device
     rows = padded_rows(batch)
-    return rows.packed(model(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device)).logits)
+    input_ids, position_ids = rows.inputs_on(device)
+    return rows.packed(model(input_ids=input_ids, position_ids=position_ids).logits)
 
 
 def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core import utils
 from megatron.core.optimizer import clip_grads, optimizer
 
 from learner.megatron.torch_kernels import install_multi_tensor_kernels, multi_tensor_l2_norm, multi_tensor_scale
@@ -46,4 +45,3 @@ def test_installed_in_place_of_megatrons_local_loops() -> None:
     assert clip_grads.l2_norm_impl is multi_tensor_l2_norm
     assert clip_grads.multi_tensor_scale_impl is multi_tensor_scale
     assert optimizer.multi_tensor_scale_impl is multi_tensor_scale
-    assert utils.local_multi_tensor_scale is not multi_tensor_scale  # megatron's own stays as it was
