@@ -79,6 +79,7 @@ def timed_steps(step: Callable[[], dict[str, float]], warmup: int, steps: int, d
 
 
 PROFILE = False  # --profile: print where one step's time goes (torch.profiler) before timing
+TRACE: str | None = None  # --trace: also save that step's timeline (Chrome trace; .gz compresses)
 
 
 def _profile(step: Callable[[], dict[str, float]], device: str) -> None:
@@ -88,6 +89,8 @@ def _profile(step: Callable[[], dict[str, float]], device: str) -> None:
     with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
         step()
         _sync(device)
+    if TRACE:
+        profiler.export_chrome_trace(TRACE)
     averages = profiler.key_averages()
     for key in ("self_cpu_time_total", "self_device_time_total" if device == "cuda" else None):
         if key:
@@ -152,9 +155,10 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,megatron")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step first")
+    parser.add_argument("--trace", help="with --profile: save the profiled step as a Chrome trace here")
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, TRACE
+    PROFILE, TRACE = args.profile, args.trace
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU")
     if args.threads:

@@ -124,10 +124,16 @@ def feedback_advantages(rewards: Tensor, baselines: Tensor | float) -> Tensor:
     return rewards - baselines
 
 
-def segment_ids(cu_seqlens: Tensor) -> Tensor:
-    """For a packed row with sample offsets ``cu_seqlens`` ``[n + 1]``, the sample of each token: ``[T]``."""
+def segment_ids(cu_seqlens: Tensor, device: torch.device | None = None) -> Tensor:
+    """For a packed row with sample offsets ``cu_seqlens`` ``[n + 1]``, the sample of each token: ``[T]``,
+    on ``device`` (default: ``cu_seqlens``'s).
+
+    Offsets kept on the host cost the device nothing: the ids are built there and copied without
+    blocking. Offsets on a GPU make it wait (the row's length must be read back).
+    """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    return ids.to(device or ids.device, non_blocking=True)
 
 
 def broadcast_to_tokens(advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -147,4 +153,4 @@ def broadcast_to_tokens(advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tenso
             f"need advantages [N], cu_seqlens [N + 1] and loss_mask [cu_seqlens[-1]], got {tuple(advantages.shape)}, "
             f"{tuple(cu_seqlens.shape)} and {tuple(loss_mask.shape)}"
         )
-    return advantages[segment_ids(cu_seqlens)] * loss_mask.to(advantages.dtype)
+    return advantages[segment_ids(cu_seqlens, advantages.device)] * loss_mask.to(advantages.dtype)

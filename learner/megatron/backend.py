@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
@@ -58,6 +59,7 @@ from learner.megatron.weights import gather_hf_weights, load_hf_weights
 from learner.sample import Sample
 from learner.trainers.step_loss import (
     StepInputs,
+    StepTotals,
     all_finite,
     entropy_in_loss,
     micro_batch_loss,
@@ -352,10 +354,9 @@ class MegatronPolicy:
         self.module.train()
         self.module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        non_finite = 0.0  # the first non-finite micro-batch loss on this rank
+        totals = StepTotals()  # read once the schedule is done: a read per micro-batch stalls the device
 
         def loss(item: _Item, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            nonlocal non_finite
             if self.config.context_parallel > 1:  # no custom loss here (TrainConfig refuses it)
                 scores = self._row_scores(output, item.batch, entropy_grad=entropy_in_loss(config))
                 value, parts = micro_batch_loss(
@@ -365,20 +366,17 @@ class MegatronPolicy:
                 value, parts = micro_batch_loss(
                     config, inputs, samples, item.batch, self._full_vocab(output), ref_log_probs=item.ref_log_probs
                 )
-            if non_finite == 0.0 and not math.isfinite(float(value.detach())):
-                non_finite = float(value.detach())
-            return value * (scale * item.weight), {k: v * item.weight for k, v in parts.items()}
+            totals.add(value, parts, item.weight)
+            return value * (scale * item.weight), {}
 
-        totals: dict[str, float] = {}
-        for parts in self._schedule(items, loss, forward_only=False):
-            for name, value in parts.items():
-                totals[name] = totals.get(name, 0.0) + value
-        non_finite = _world_sum(non_finite)  # 0 everywhere, or nan/inf on every rank
+        self._schedule(items, loss, forward_only=False)
+        loss_sum, parts = totals.read()  # a non-finite micro-batch loss makes the sum non-finite
+        non_finite = _world_sum(0.0 if math.isfinite(loss_sum) else loss_sum)  # 0 everywhere, or nan/inf on every rank
         if non_finite != 0.0:
             self._refuse(f"loss is {non_finite}")
         if parallel_state.get_data_parallel_world_size() > 1:
-            totals = _sum_over_replicas(totals)
-        return _from_last_stage(totals)
+            parts = _sum_over_replicas(parts)
+        return _from_last_stage(parts)
 
     def apply_gradients(self) -> float:
         """Clip and step; the gradient norm before clipping.
@@ -387,17 +385,31 @@ class MegatronPolicy:
             TrainingDiverged: a non-finite gradient norm (nothing changes) or weight after the step.
         """
         with cuda_as_cpu():
+            # megatron's own ``step`` would prepare the gradients and take their norm a second time
             found_inf = self.optimizer.prepare_grads()
             grad_norm = float(self.optimizer.get_grad_norm())
             if found_inf or not math.isfinite(grad_norm):
                 self._refuse(f"grad_norm is {grad_norm}")
-            self.optimizer.step()
+            self._clip(grad_norm)
+            self.optimizer.step_with_ready_grads()
         self.optimizer.zero_grad()
         with torch.no_grad():
             broken = not all_finite(self.model.parameters())
         if _world_sum(float(broken)):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
         return grad_norm
+
+    def _clip(self, grad_norm: float) -> None:
+        """Scale the main gradients to the configured clip norm, as megatron's ``step`` does."""
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            parameters = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+            if inner.config.clip_grad > 0.0 and parameters:
+                clip_grad_by_total_norm_fp32(
+                    parameters,
+                    max_norm=inner.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
 
     def train_step(self, samples: Sequence[Sample], config: TrainConfig, **step: Unpack[_StepArgs]) -> dict[str, float]:
         """One optimizer step over ``samples``: ``torch_backend.train_step``'s contract and metrics;

@@ -34,6 +34,7 @@ from learner.trainers.train_config import TrainConfig
 
 __all__ = [
     "StepInputs",
+    "StepTotals",
     "all_finite",
     "call_custom_loss",
     "compute_advantages",
@@ -51,7 +52,7 @@ __all__ = [
 def shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
     """Move per-position values one step right (the logits at t - 1 predict token t); 0 at sample starts."""
     out = torch.cat([values.new_zeros(1), values[:-1]])
-    starts = cu_seqlens[:-1].long().to(values.device)
+    starts = cu_seqlens[:-1].long().to(values.device, non_blocking=True)
     return out.index_fill(0, starts, 0.0)
 
 
@@ -77,14 +78,14 @@ def token_log_probs_and_entropy(
     """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits, with
     gradient, and the ``[T]`` entropy of the distribution token t was drawn from (with gradient only
     when ``entropy_grad``); 0 at sample starts."""
-    targets = batch.input_ids.to(logits.device).roll(-1)  # position t scores token t + 1
+    targets = batch.input_ids.to(logits.device, non_blocking=True).roll(-1)  # position t scores token t + 1
     log_probs, entropy = target_scores(logits, targets, entropy_grad=entropy_grad)
     return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
 
 
 def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
     """``token_log_probs_and_entropy``'s log-probs alone."""
-    targets = batch.input_ids.to(logits.device).roll(-1)
+    targets = batch.input_ids.to(logits.device, non_blocking=True).roll(-1)
     return shifted(target_log_probs(logits, targets)[0], batch.cu_seqlens)
 
 
@@ -167,7 +168,7 @@ def _packed_response_values(
     for index in batch.sample_indices:
         sample = samples[index]
         parts += [torch.zeros(sample.prompt_length), torch.as_tensor(values[index], dtype=torch.float32)]
-    return torch.cat(parts).to(device)
+    return torch.cat(parts).to(device, non_blocking=True)
 
 
 def call_custom_loss(
@@ -207,8 +208,9 @@ def micro_batch_loss(
     *,
     ref_log_probs: Tensor | None = None,
     token_scores: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts.
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts
+    (detached tensors, or a CUSTOM_LOSS plugin's numbers: sum them in a ``StepTotals``).
 
     ``logits`` is ``[T, V]`` with gradient; ``ref_log_probs`` the frozen reference's ``[T]`` log-probs
     when the KL loss is on. ``token_scores``: the ``(log_probs, entropy)`` that
@@ -227,8 +229,10 @@ def micro_batch_loss(
         token_scores = token_log_probs_and_entropy(logits, batch, entropy_grad=entropy_in_loss(config))
     log_probs, entropy = token_scores
     device = log_probs.device
-    cu_seqlens, loss_mask = batch.cu_seqlens.to(device), batch.loss_mask.to(device)
-    sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device)
+    # Host tensors are copied without blocking and the offsets stay on the host (the reductions build
+    # their segment ids there): nothing here waits for the forward pass to finish on the device.
+    cu_seqlens, loss_mask = batch.cu_seqlens, batch.loss_mask.to(device, non_blocking=True)
+    sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device, non_blocking=True)
     token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
     old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
     rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
@@ -236,9 +240,9 @@ def micro_batch_loss(
         if logits is None:
             raise ValueError("a CUSTOM_LOSS plugin is handed the [T, V] logits; none were given")
         tensors = {
-            "input_ids": batch.input_ids.to(device),
-            "position_ids": batch.position_ids.to(device),
-            "cu_seqlens": cu_seqlens,
+            "input_ids": batch.input_ids.to(device, non_blocking=True),
+            "position_ids": batch.position_ids.to(device, non_blocking=True),
+            "cu_seqlens": cu_seqlens.to(device, non_blocking=True),
             "loss_mask": loss_mask,
             "log_probs": log_probs,
             "old_log_probs": log_probs.detach() if old is None else old,
@@ -271,7 +275,39 @@ def micro_batch_loss(
         num_tokens=inputs.num_tokens,
         cu_seqlens=cu_seqlens,
     )
-    return result.loss, result.metrics()
+    return result.loss, result.parts()
+
+
+class StepTotals:
+    """A step's micro-batch losses and loss parts, summed on the device and read back once.
+
+    Reading each micro-batch's values as they come would make the host wait for that micro-batch's
+    forward pass before it could queue the backward: the device would idle while the host catches up.
+    """
+
+    def __init__(self) -> None:
+        self._loss: Tensor | None = None
+        self._tensors: dict[str, Tensor] = {}
+        self._numbers: dict[str, float] = {}  # a CUSTOM_LOSS plugin's metrics
+
+    def add(self, loss: Tensor, parts: dict[str, Tensor | float], weight: float = 1.0) -> None:
+        """Count one micro-batch (``weight`` 0: a filler that only keeps replicas in step)."""
+        value = loss.detach() * weight
+        self._loss = value if self._loss is None else self._loss + value
+        for name, part in parts.items():
+            if isinstance(part, Tensor):
+                part = part * weight
+                self._tensors[name] = part if name not in self._tensors else self._tensors[name] + part
+            else:
+                self._numbers[name] = self._numbers.get(name, 0.0) + part * weight
+
+    def read(self) -> tuple[float, dict[str, float]]:
+        """``(summed loss, summed parts)`` as numbers: one device sync; the loss is 0.0 with nothing added."""
+        if self._loss is None:
+            return 0.0, dict(self._numbers)
+        names = list(self._tensors)
+        values = torch.stack([t.float() for t in (self._loss, *(self._tensors[n] for n in names))]).tolist()
+        return values[0], self._numbers | dict(zip(names, values[1:], strict=True))
 
 
 def step_metrics(

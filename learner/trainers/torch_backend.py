@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
 from learner.sample import Sample
 from learner.trainers.step_loss import (
+    StepTotals,
     all_finite,
     compute_advantages,
     micro_batch_loss,
@@ -85,8 +86,7 @@ def response_log_probs(model: nn.Module, samples: Sequence[Sample], max_tokens_p
 # one step
 
 
-def _refuse_if_not_finite(what: str, value: Tensor | float, optimizer: torch.optim.Optimizer) -> None:
-    number = float(value.detach()) if isinstance(value, Tensor) else value
+def _refuse_if_not_finite(what: str, number: float, optimizer: torch.optim.Optimizer) -> None:
     if not math.isfinite(number):
         optimizer.zero_grad(set_to_none=True)  # a later step must not apply these gradients
         raise TrainingDiverged(f"{what} is {number}: step refused, weights left as they were")
@@ -130,7 +130,7 @@ def train_step(
     started = time.perf_counter()
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
+    totals = StepTotals()
     for micro_batch in pack_samples(samples, config.max_tokens_per_micro_batch):
         batch = collate_micro_batch(samples, micro_batch)
         ref_log_probs = None
@@ -140,11 +140,13 @@ def train_step(
         loss, parts = micro_batch_loss(
             config, inputs, samples, batch, _forward_logits(model, batch), ref_log_probs=ref_log_probs
         )
-        _refuse_if_not_finite("loss", loss, optimizer)
         loss.backward()
         # Every part is reduced over the whole step's counts, so micro-batch values add up to the step's.
-        for name, value in parts.items():
-            totals[name] = totals.get(name, 0.0) + value
+        totals.add(loss, parts)
+    # Checked once the step's gradients are in (a non-finite micro-batch makes the sum non-finite):
+    # reading a loss per micro-batch would stall the device between micro-batches.
+    loss_sum, parts_sum = totals.read()
+    _refuse_if_not_finite("loss", loss_sum, optimizer)
 
     parameters = [p for p in model.parameters() if p.grad is not None]
     max_norm = config.clip_grad if config.clip_grad is not None else math.inf
@@ -156,4 +158,4 @@ def train_step(
         # An enormous learning rate can overflow weights from finite gradients.
         if not all_finite(model.parameters()):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
-    return step_metrics(samples, totals, grad_norm, time.perf_counter() - started)
+    return step_metrics(samples, parts_sum, grad_norm, time.perf_counter() - started)
