@@ -26,6 +26,7 @@ import torch
 from learner.algorithms.advantages import segment_ids
 from learner.plugins import HookKind, Plugin, PluginError
 from learner.sample import Sample
+from learner.to_device import to_device
 
 __all__ = [
     "DynamicFilterOutput",
@@ -424,14 +425,13 @@ class PaddedRows:
     token_index: torch.Tensor | None  # [T]: where each packed token sits in the flattened [B * L]; None: no padding
 
     def inputs_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, position_ids)`` on ``device``, copied without blocking: a blocking host-to-device
-        copy waits for the device's queue to drain."""
-        return self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True)
+        """``(input_ids, position_ids)`` on ``device``, copied without blocking (``to_device``)."""
+        return to_device(self.input_ids, device), to_device(self.position_ids, device)
 
     def packed(self, output: torch.Tensor) -> torch.Tensor:
         """The packed row's ``[T, ...]`` from the model's ``[B, L, ...]`` output."""
         flat = output.flatten(0, 1)
-        return flat if self.token_index is None else flat.index_select(0, self.token_index.to(flat.device))
+        return flat if self.token_index is None else flat.index_select(0, to_device(self.token_index, flat.device))
 
 
 def padded_rows(batch: PackedMicroBatch, *, length_multiple: int = 1) -> PaddedRows:

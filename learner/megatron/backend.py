@@ -54,9 +54,14 @@ from learner.megatron.config import MegatronConfig, check_model
 from learner.megatron.context_parallel import RowSplit, split_row
 from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
 from learner.megatron.model import build_model
-from learner.megatron.torch_kernels import install_multi_tensor_kernels, use_fused_adamw
+from learner.megatron.torch_kernels import (
+    fuse_weight_gradient_accumulation,
+    install_multi_tensor_kernels,
+    use_fused_adamw,
+)
 from learner.megatron.weights import gather_hf_weights, load_hf_weights
 from learner.sample import Sample
+from learner.to_device import to_device
 from learner.trainers.step_loss import (
     StepInputs,
     StepTotals,
@@ -162,6 +167,8 @@ class MegatronPolicy:
             ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=self.model)
             self.optimizer = get_megatron_optimizer(optimizer_config, [ddp])
         use_fused_adamw(self.optimizer)
+        if not on_cpu():
+            fuse_weight_gradient_accumulation(self.model)
         self.module = ddp
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.no_sync_func = ddp.no_sync
@@ -197,7 +204,9 @@ class MegatronPolicy:
         )
         ids = split.local(batch.input_ids)
         device = _device()
-        output = self.module(ids[None].to(device), split.positions[None].to(device), None, packed_seq_params=packed)
+        output = self.module(
+            to_device(ids[None], device), to_device(split.positions[None], device), None, packed_seq_params=packed
+        )
         return output[0] if parallel_state.is_pipeline_last_stage() else output
 
     def _row_multiple(self) -> int:
@@ -221,7 +230,7 @@ class MegatronPolicy:
         positions it holds against their next tokens, and the ``[held, 2]`` scores are gathered."""
         split = self._row_split(batch)
         logits = self._full_vocab(output)
-        targets = split.targets(batch.input_ids).to(logits.device)
+        targets = to_device(split.targets(batch.input_ids), logits.device)
         scores = target_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
         row = split.gather_row(torch.stack(scores, dim=1), parallel_state.get_context_parallel_group())
         log_probs, entropy = row.unbind(1)

@@ -12,7 +12,7 @@ add up to the step's and gradients accumulate to the one big batch's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ from learner.algorithms import (
 from learner.batching import PackedMicroBatch, training_loss_mask
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
+from learner.to_device import to_device
 from learner.trainers.train_config import TrainConfig
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 def shifted(values: Tensor, cu_seqlens: Tensor) -> Tensor:
     """Move per-position values one step right (the logits at t - 1 predict token t); 0 at sample starts."""
     out = torch.cat([values.new_zeros(1), values[:-1]])
-    starts = cu_seqlens[:-1].long().to(values.device, non_blocking=True)
+    starts = to_device(cu_seqlens[:-1].long(), values.device)
     return out.index_fill(0, starts, 0.0)
 
 
@@ -78,14 +79,14 @@ def token_log_probs_and_entropy(
     """``[T]`` float32 ``log p(token t | the sample's tokens before t)`` from ``[T, V]`` logits, with
     gradient, and the ``[T]`` entropy of the distribution token t was drawn from (with gradient only
     when ``entropy_grad``); 0 at sample starts."""
-    targets = batch.input_ids.to(logits.device, non_blocking=True).roll(-1)  # position t scores token t + 1
+    targets = to_device(batch.input_ids, logits.device).roll(-1)  # position t scores token t + 1
     log_probs, entropy = target_scores(logits, targets, entropy_grad=entropy_grad)
     return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
 
 
 def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
     """``token_log_probs_and_entropy``'s log-probs alone."""
-    targets = batch.input_ids.to(logits.device, non_blocking=True).roll(-1)
+    targets = to_device(batch.input_ids, logits.device).roll(-1)
     return shifted(target_log_probs(logits, targets)[0], batch.cu_seqlens)
 
 
@@ -168,7 +169,7 @@ def _packed_response_values(
     for index in batch.sample_indices:
         sample = samples[index]
         parts += [torch.zeros(sample.prompt_length), torch.as_tensor(values[index], dtype=torch.float32)]
-    return torch.cat(parts).to(device, non_blocking=True)
+    return to_device(torch.cat(parts), device)
 
 
 def call_custom_loss(
@@ -208,7 +209,7 @@ def micro_batch_loss(
     *,
     ref_log_probs: Tensor | None = None,
     token_scores: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor | float]]:
+) -> tuple[Tensor, Mapping[str, Tensor | float]]:
     """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts
     (detached tensors, or a CUSTOM_LOSS plugin's numbers: sum them in a ``StepTotals``).
 
@@ -229,10 +230,10 @@ def micro_batch_loss(
         token_scores = token_log_probs_and_entropy(logits, batch, entropy_grad=entropy_in_loss(config))
     log_probs, entropy = token_scores
     device = log_probs.device
-    # Host tensors are copied without blocking and the offsets stay on the host (the reductions build
+    # Host tensors are copied without blocking (``to_device``) and the offsets stay on the host (the reductions build
     # their segment ids there): nothing here waits for the forward pass to finish on the device.
-    cu_seqlens, loss_mask = batch.cu_seqlens, batch.loss_mask.to(device, non_blocking=True)
-    sample_advantages = inputs.advantages[list(batch.sample_indices)].to(device, non_blocking=True)
+    cu_seqlens, loss_mask = batch.cu_seqlens, to_device(batch.loss_mask, device)
+    sample_advantages = to_device(inputs.advantages[list(batch.sample_indices)], device)
     token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
     old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
     rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
@@ -240,9 +241,9 @@ def micro_batch_loss(
         if logits is None:
             raise ValueError("a CUSTOM_LOSS plugin is handed the [T, V] logits; none were given")
         tensors = {
-            "input_ids": batch.input_ids.to(device, non_blocking=True),
-            "position_ids": batch.position_ids.to(device, non_blocking=True),
-            "cu_seqlens": cu_seqlens.to(device, non_blocking=True),
+            "input_ids": to_device(batch.input_ids, device),
+            "position_ids": to_device(batch.position_ids, device),
+            "cu_seqlens": to_device(cu_seqlens, device),
             "loss_mask": loss_mask,
             "log_probs": log_probs,
             "old_log_probs": log_probs.detach() if old is None else old,
@@ -290,7 +291,7 @@ class StepTotals:
         self._tensors: dict[str, Tensor] = {}
         self._numbers: dict[str, float] = {}  # a CUSTOM_LOSS plugin's metrics
 
-    def add(self, loss: Tensor, parts: dict[str, Tensor | float], weight: float = 1.0) -> None:
+    def add(self, loss: Tensor, parts: Mapping[str, Tensor | float], weight: float = 1.0) -> None:
         """Count one micro-batch (``weight`` 0: a filler that only keeps replicas in step)."""
         value = loss.detach() * weight
         self._loss = value if self._loss is None else self._loss + value

@@ -11,6 +11,7 @@ from learner.algorithms import (
     grpo_advantages,
     masked_whiten,
     reinforce_plus_plus_baseline_advantages,
+    segment_ids,
 )
 
 # Two groups, interleaved and with arbitrary ids:
@@ -138,3 +139,11 @@ def test_broadcast_to_tokens_over_a_packed_row() -> None:
     )
     with pytest.raises(ValueError, match="cu_seqlens"):
         broadcast_to_tokens(advantages, mask[:4], cu_seqlens)
+
+
+@pytest.mark.parametrize("offsets", [[0, 3, 3, 7, 10], [0, 4], [0, 0, 2, 2], [0, 2, 2], [0]])
+def test_segment_ids_name_each_tokens_sample_empty_samples_included(offsets: list[int]) -> None:
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+    lengths = cu_seqlens.diff().long()
+    expected = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    assert torch.equal(segment_ids(cu_seqlens), expected)
