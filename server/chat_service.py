@@ -14,6 +14,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from server.auth import Identity
+from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState, TokenText
 from server.conversation_log import ConversationLog
 from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
@@ -39,6 +40,7 @@ class ChatCall:
     request: ChatCompletionRequest
     identity: Identity
     session_key: str | None
+    cache_salt: str  # the tenant's prefix-cache namespace on the engines (server.cache_scope)
     conversation: list[dict[str, Any]]
     prompt_ids: list[int]
     rendered_ids: list[int]  # the template's plain rendering (prompt_ids may carry earlier replies as generated)
@@ -174,6 +176,7 @@ class ChatService:
             request=request,
             identity=identity,
             session_key=session_key,
+            cache_salt=cache_salt(identity.tenant_id),
             conversation=conversation,
             prompt_ids=prompt_ids,
             rendered_ids=rendered_ids,
@@ -193,7 +196,8 @@ class ChatService:
             self.engine.generate(
                 call.prompt_ids,
                 sampling,
-                session_key=call.session_key,
+                session_key=engine_session_key(call.cache_salt, call.session_key),
+                cache_salt=call.cache_salt,
                 request_id=f"{call.id}-{i}",
                 # A buffered answer reaches nobody before it is complete, so a pool may retry it anywhere.
                 stream=call.request.stream,

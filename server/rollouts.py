@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
+from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState
 from server.engines.base import ROLLOUT_PRIORITY, Engine, SamplingParams
 from server.errors import ApiError
@@ -27,6 +28,8 @@ from tandem.aio import gather_or_cancel
 __all__ = ["MAX_ROLLOUT_N", "RolloutRequest", "RolloutService"]
 
 MAX_ROLLOUT_N = 64
+# Rollouts reuse cached prefixes among themselves only, never a tenant's.
+LEARNER_SALT = cache_salt("\x00learner")
 
 
 class RolloutRequest(BaseModel):
@@ -140,7 +143,12 @@ class RolloutService:
         async with self._slots:
             # Buffered: nobody reads a rollout before it is complete, so a pool may retry it anywhere.
             chunks = self._engine.generate(
-                prompt_ids, sampling, session_key=request.session_id, stream=False, priority=ROLLOUT_PRIORITY
+                prompt_ids,
+                sampling,
+                session_key=engine_session_key(LEARNER_SALT, request.session_id),
+                cache_salt=LEARNER_SALT,
+                stream=False,
+                priority=ROLLOUT_PRIORITY,
             )
             async for chunk in chunks:
                 state.add(chunk)

@@ -114,10 +114,14 @@ class Engine(Protocol):
         sampling: SamplingParams,
         *,
         session_key: str | None = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
-    ) -> AsyncIterator[TokenChunk]: ...
+    ) -> AsyncIterator[TokenChunk]:
+        """``cache_salt`` namespaces prefix-cache reuse (``server.cache_scope``): a request reuses only
+        prefixes cached under the same salt, so tenants cannot read each other's prompts through it."""
+        ...
 
     async def health(self) -> bool: ...
 

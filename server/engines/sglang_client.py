@@ -142,6 +142,7 @@ class SGLangClient:
         sampling: SamplingParams,
         *,
         session_key: str | None = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
@@ -158,6 +159,8 @@ class SGLangClient:
             body["rid"] = request_id
         if session_key:
             body["routing_key"] = session_key
+        if cache_salt:  # SGLang matches cached prefixes only within one salt
+            body["cache_salt"] = cache_salt
         if priority != DEFAULT_PRIORITY:
             # Honoured by servers started with --enable-priority-scheduling --default-priority-value 0
             # (managed CPU servers are); others ignore it. User requests keep their body unchanged.

@@ -146,6 +146,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
             input_ids,
             sampling,
             session_key=session_key,
+            cache_salt=body.get("cache_salt"),
             request_id=rid,
             priority=DEFAULT_PRIORITY if priority is None else priority,
         )

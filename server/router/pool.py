@@ -127,6 +127,7 @@ class EnginePool:
         sampling: SamplingParams,
         *,
         session_key: str | None = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
@@ -136,7 +137,7 @@ class EnginePool:
         while True:
             replica = self._route(session_key, exclude=tried, failures=failures)
             tried.add(replica.name)
-            attempt = self._attempt(replica, input_ids, sampling, session_key, request_id, stream, priority)
+            attempt = self._attempt(replica, input_ids, sampling, session_key, cache_salt, request_id, stream, priority)
             delivered = False
             try:
                 if stream:
@@ -187,6 +188,7 @@ class EnginePool:
         input_ids: list[int],
         sampling: SamplingParams,
         session_key: str | None,
+        cache_salt: str | None,
         request_id: str | None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
@@ -194,7 +196,13 @@ class EnginePool:
         """One replica's chunks, stamped with its name; counts the request in its load meanwhile."""
         replica.in_flight += 1
         chunks = replica.client.generate(
-            input_ids, sampling, session_key=session_key, request_id=request_id, stream=stream, priority=priority
+            input_ids,
+            sampling,
+            session_key=session_key,
+            cache_salt=cache_salt,
+            request_id=request_id,
+            stream=stream,
+            priority=priority,
         )
         first = True
         try:

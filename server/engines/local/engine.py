@@ -149,6 +149,7 @@ class LocalEngine:
         sampling: SamplingParams,
         *,
         session_key: str | None = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = True,  # a transport hint for HTTP backends; in-process chunks cost nothing
         priority: int = DEFAULT_PRIORITY,
@@ -164,7 +165,7 @@ class LocalEngine:
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise EngineError(f"token ids must be in [0, {vocab})", 400)
         seq = Sequence.create(
-            request_id or uuid.uuid4().hex, input_ids, sampling, session_key, self._tokenizer, priority
+            request_id or uuid.uuid4().hex, input_ids, sampling, session_key, cache_salt, self._tokenizer, priority
         )
         with self._cond:
             if self._stopping:
@@ -355,8 +356,8 @@ class LocalEngine:
         tokens = seq.tokens
         reuse, kv = 0, None
         # A retracted request (it has output already) re-prefills everything.
-        if seq.session_key and not seq.output_ids:
-            reuse, kv = self._prefix.take(seq.session_key, tokens)
+        if seq.prefix_key and not seq.output_ids:
+            reuse, kv = self._prefix.take(seq.prefix_key, tokens)
             seq.cached_tokens = reuse
         cache = kv.to_cache() if kv is not None else DynamicCache(config=self._model.config)
         positions = torch.arange(reuse, len(tokens))
@@ -427,8 +428,8 @@ class LocalEngine:
             self._running = [self._running[i] for i in keep]
 
     def _remember_prefix(self, seq: Sequence, row: RowKV) -> None:
-        if seq.session_key and self._prefix.capacity_bytes and seq.finish and seq.finish.type != "abort":
-            self._prefix.put(seq.session_key, seq.tokens, row)
+        if seq.prefix_key and self._prefix.capacity_bytes and seq.finish and seq.finish.type != "abort":
+            self._prefix.put(seq.prefix_key, seq.tokens, row)
 
     def _release(self) -> None:
         """One request has left the engine for good."""

@@ -7,6 +7,7 @@ a prefill. KV at position i depends only on tokens <= i, so any common prefix ca
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from server.engines.local.kv import RowKV
@@ -30,13 +31,13 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, session_key: str, input_ids: list[int]) -> tuple[int, RowKV | None]:
+    def take(self, session_key: Hashable, input_ids: list[int]) -> tuple[int, RowKV | None]:
         """Remove the session's entry and return how many leading input tokens it covers."""
         entry = self._entries.pop(session_key, None)
         if entry is None:
@@ -48,7 +49,7 @@ class PrefixCache:
             return 0, None
         return reuse, entry.kv.truncated(reuse)
 
-    def put(self, session_key: str, token_ids: list[int], kv: RowKV) -> None:
+    def put(self, session_key: Hashable, token_ids: list[int], kv: RowKV) -> None:
         old = self._entries.pop(session_key, None)
         if old is not None:
             self.nbytes -= old.nbytes

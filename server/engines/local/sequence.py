@@ -16,7 +16,10 @@ class Sequence:
     request_id: str
     input_ids: list[int]
     sampling: SamplingParams
-    session_key: str | None
+    # The prefix cache's key: the session inside its cache salt (server.cache_scope), so two
+    # tenants sending the same session key never reach each other's cached prompt.
+    prefix_key: tuple[str, str] | None
+    cache_salt: str  # the fairness key too: admission takes turns between salts (tenants)
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenChunk]
     generator: torch.Generator | None
@@ -34,6 +37,7 @@ class Sequence:
         input_ids: list[int],
         sampling: SamplingParams,
         session_key: str | None,
+        cache_salt: str | None,
         tokenizer: Decoder,
         priority: int = 0,
     ) -> Sequence:
@@ -45,7 +49,8 @@ class Sequence:
             request_id,
             list(input_ids),
             sampling,
-            session_key,
+            (cache_salt or "", session_key) if session_key else None,
+            cache_salt or "",
             loop,
             asyncio.Queue(),
             generator,

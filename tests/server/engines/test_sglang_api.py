@@ -126,3 +126,12 @@ async def test_unreachable_server_is_unavailable() -> None:
         await collect(client, PROMPT, SamplingParams(max_new_tokens=1))
     assert not await client.health()
     await client.close()
+
+
+async def test_a_cache_salt_keeps_a_session_prefix_to_its_own_namespace(client: SGLangClient) -> None:
+    """The gateway's tenant salt reaches `tandem engine` as SGLang's cache_salt and keys its cache."""
+    await collect(client, PROMPT, greedy(2), session_key="shared-id", cache_salt="tenant-a")
+    other = await collect(client, PROMPT, greedy(2), session_key="shared-id", cache_salt="tenant-b")
+    same = await collect(client, PROMPT, greedy(2), session_key="shared-id", cache_salt="tenant-a")
+    assert other.cached_tokens == 0
+    assert same.cached_tokens == len(PROMPT) - 1
