@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, Field
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.database_errors import database_call
 from server.errors import ApiError
 from server.routes.deps import AdminDep
 from storage.audit import record_admin_action
-
-T = TypeVar("T")
-
-DATABASE_DOWN = "The database is unavailable; retry shortly."
 
 
 async def _actor(request: Request, _: AdminDep) -> str:
@@ -43,12 +37,8 @@ class ReasonRequest(BaseModel):
 SessionsDep = Annotated[sessionmaker[Session], Depends(_sessions)]
 
 
-async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run blocking database work off the event loop; a database outage is a 503, not a 500."""
-    try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    except DBAPIError as exc:
-        raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
+# Blocking database work off the event loop: a refused value is a 400, an outage a logged 503.
+in_thread = database_call
 
 
 async def audit_refusal(

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.auth import Identity
 from server.conversation_log import ConversationLog
+from server.database_errors import database_call
 from server.errors import ApiError
 from server.schemas import FeedbackRequest
 from storage.completions import CompletionView, get_completion_view
@@ -23,7 +22,6 @@ T = TypeVar("T")
 
 # How long a lookup waits for journaled records to reach the database.
 FLUSH_TIMEOUT_S = 5.0
-DATABASE_DOWN = "The database is unavailable right now; retry shortly."
 
 
 def _not_found(completion_id: str) -> ApiError:
@@ -44,10 +42,7 @@ class CompletionService:
             with self._sessions() as session:
                 return query(session)
 
-        try:
-            return await asyncio.to_thread(run)
-        except DBAPIError as exc:
-            raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
+        return await database_call(run)
 
     async def _flush(self) -> None:
         # While the database is known to be away, waiting for it would only delay the answer.
@@ -89,8 +84,8 @@ class CompletionService:
         view = None
         try:
             view = await self._stored(identity, completion_id)
-        except ApiError:
-            if not pending:  # nothing proves the completion exists, or whose it is
+        except ApiError as error:
+            if not pending or error.status != 503:  # nothing proves the completion exists, or whose it is
                 raise
         if view is None and not pending:
             raise _not_found(completion_id)

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.database_errors import database_call, database_error
 from server.engines.base import Engine, EngineError, ModelInfo
 from server.engines.local.weights import WeightLoadError
 from server.errors import ApiError
@@ -48,7 +49,7 @@ class WeightService:
     async def serving(self) -> dict[str, Any]:
         """The engine's model and weight version, with its version row when one is recorded."""
         info = self._engine.model_info()
-        row = await asyncio.to_thread(self._serving_row, info.served_model_name)
+        row = await database_call(self._serving_row, info.served_model_name)
         return {
             "model": info.served_model_name,
             "weight_version": info.weight_version,
@@ -75,7 +76,7 @@ class WeightService:
         trainer's broadcast); ``model_path`` holds the same weights for the version row and rollbacks."""
         async with self._lock:
             before = self._engine.model_info()
-            await asyncio.to_thread(self._check_version, before.served_model_name, weight_version)
+            await database_call(self._check_version, before.served_model_name, weight_version)
             return await self._swap(before, model_path, weight_version, load, _Refusal(model_path, "model_path"))
 
     async def roll_out_delta(
@@ -104,7 +105,7 @@ class WeightService:
                 if version != delta.target_version:
                     raise DeltaError(f"it leads to {delta.target_version!r}, not {version!r}")
                 delta.check_base(before.weight_version)
-                await asyncio.to_thread(self._check_version, before.served_model_name, version)
+                await database_call(self._check_version, before.served_model_name, version)
                 full = Path(model_path) if model_path else Path(delta_path).with_name(Path(delta_path).name + ".full")
                 model_path = str(await asyncio.to_thread(materialise, delta, Path(before.model_path), full))
             except (DeltaError, OSError) as exc:
@@ -137,12 +138,11 @@ class WeightService:
             await asyncio.to_thread(self._promote, before.served_model_name, model_path, weight_version)
         except DBAPIError as exc:
             await self._engine.update_weights(before.model_path, before.weight_version)
-            raise ApiError(
-                503,
+            message = (
                 f"The database could not record {weight_version} as serving, so the server went back to "
-                f"{before.weight_version}; retry shortly.",
-                code="database_unavailable",
-            ) from exc
+                f"{before.weight_version}; retry shortly."
+            )
+            raise database_error(exc, message) from exc
         log.info("model version rolled out", extra={"weight_version": weight_version, "swap_s": swap_s})
         return {**await self.serving(), "previous_version": before.weight_version, "swap_s": swap_s}
 
