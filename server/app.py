@@ -9,9 +9,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from sqlalchemy.exc import OperationalError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from server.auth import Authenticator
+from server.auth import Authenticator, AuthPolicy
 from server.body_limit import BodyLimitMiddleware
 from server.chat_service import ChatService
 from server.completions import CompletionService
@@ -21,6 +22,7 @@ from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
 from server.metrics import GatewayMetrics, MetricsMiddleware
+from server.rate_limits import limiter_for
 from server.rollouts import RolloutService
 from server.routes import router
 from server.weights import WeightService
@@ -32,6 +34,8 @@ from tandem.models import resolve_model
 from tandem.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+MIGRATION_RETRY_S = 5.0
 
 __all__ = ["ServingUnprotectedError", "StartupError", "create_app"]
 
@@ -49,11 +53,16 @@ def refuse_unprotected(settings: Settings) -> None:
     if settings.binds_loopback or settings.admin_key is not None:
         return
     url = settings.resolved_database_url
-    upgrade(url)
     db = make_engine(url)
     try:
+        upgrade(url)
         with make_session_factory(db)() as session:
             keys = count_active_api_keys(session)
+    except OperationalError as exc:
+        raise StartupError(
+            f"Cannot check whether API keys protect {settings.host}: the database is unreachable ({exc.orig}). "
+            "Set TANDEM_ADMIN_KEY to serve while it is down, or bind 127.0.0.1."
+        ) from exc
     finally:
         db.dispose()
     if keys == 0:
@@ -61,6 +70,34 @@ def refuse_unprotected(settings: Settings) -> None:
             f"Refusing to serve on {settings.host}: it is reachable from other machines and no API key is "
             "configured. Create one with `tandem keys create`, set TANDEM_ADMIN_KEY, or bind 127.0.0.1."
         )
+
+
+async def _migrate(url: str) -> asyncio.Task[None] | None:
+    """Upgrade the schema. An unreachable database does not stop serving: answers are journaled and
+    stored once it is back; the migration is retried in the background until then (the returned task)."""
+    try:
+        await asyncio.to_thread(upgrade, url)
+        return None
+    except OperationalError as exc:
+        logger.error(
+            "the database is unreachable at start: serving anyway (answers are journaled, only the admin key "
+            "and keys verified later are accepted); retrying the migration every %.0f s",
+            MIGRATION_RETRY_S,
+            extra={"error": str(exc.orig)},
+        )
+
+    async def retry() -> None:
+        while True:
+            await asyncio.sleep(MIGRATION_RETRY_S)
+            try:
+                await asyncio.to_thread(upgrade, url)
+            except OperationalError as exc:
+                logger.warning("the database is still unreachable", extra={"error": str(exc.orig)})
+                continue
+            logger.info("the database is reachable: schema migrated")
+            return
+
+    return asyncio.create_task(retry())
 
 
 def _load_tokenizer(settings: Settings, engine: Engine) -> PreTrainedTokenizerBase:
@@ -88,11 +125,17 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
-        await asyncio.to_thread(upgrade, url)
-        db = make_engine(url, sqlite_sync_every_commit=settings.journal_fsync == "always")
+        migrating = await _migrate(url)
+        db = make_engine(
+            url,
+            sqlite_sync_every_commit=settings.journal_fsync == "always",
+            statement_timeout_s=settings.database_statement_timeout_s,
+        )
         sessions = make_session_factory(db)
         async with AsyncExitStack() as stack:
             stack.callback(db.dispose)
+            if migrating is not None:
+                stack.callback(migrating.cancel)
             conversation_log = log
             if conversation_log is None:
                 conversation_log = ConversationLog(
@@ -125,7 +168,15 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
                 admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
                 loopback=settings.binds_loopback,
                 internal_key=settings.internal_admin_key.get_secret_value() if settings.internal_admin_key else None,
+                policy=AuthPolicy(
+                    key_ttl_s=settings.auth_key_ttl_s,
+                    key_stale_s=settings.auth_key_stale_s,
+                    lookup_timeout_s=settings.auth_lookup_timeout_s,
+                    failures_per_minute=settings.auth_failures_per_minute,
+                ),
+                failure_limiter=limiter_for(settings.redis_url, settings.redis_key_prefix),
             )
+            stack.callback(app.state.auth.close)
             info = serving.model_info()
             logger.info(
                 "serving",

@@ -1,15 +1,33 @@
-"""Bearer API keys per tenant, cached in memory so the hot path does not query the database."""
+"""Bearer API keys per tenant, cached in memory so that serving does not wait on the database.
+
+A verified key is trusted for ``key_ttl_s``; after that the next request revalidates it in the
+background and is served meanwhile (stale-while-revalidate), so a slow or absent database costs a
+known key nothing. A key the database has not confirmed for ``key_stale_s`` must be checked again
+before it serves: that is how long a revoked key can outlive a database outage. When the database
+answers, a revocation takes effect within ``key_ttl_s`` (at once on the gateway that revoked it).
+
+Lookups run on their own small thread pool with a deadline, so a hung database neither holds a
+request for long nor takes the threads that tokenise prompts. Unknown keys are remembered for
+``key_ttl_s`` in a bounded cache of their own (guessing cannot evict the known keys), and each
+client address may fail authentication only so often per minute.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
+from cachetools import TTLCache
 from fastapi import Depends, Request
+from limits import RateLimitItemPerMinute
+from limits.aio.strategies import MovingWindowRateLimiter
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,10 +35,23 @@ from server.errors import ApiError
 from storage.api_keys import count_active_api_keys, lookup_api_key
 from storage.tenants import DEFAULT_TENANT_ID
 
-KEY_TTL_S = 30.0
-KEYLESS_TTL_S = 5.0
-MAX_CACHED_KEYS = 10_000
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_KNOWN_KEYS = 100_000
+MAX_UNKNOWN_KEYS = 10_000
+LOOKUP_THREADS = 4
 DATABASE_DOWN = "The database is unavailable, so the API key cannot be checked; retry shortly."
+
+
+@dataclass(frozen=True, slots=True)
+class AuthPolicy:
+    key_ttl_s: float = 30.0
+    key_stale_s: float = 900.0
+    lookup_timeout_s: float = 2.0
+    failures_per_minute: int = 30
+    keyless_ttl_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +65,18 @@ KEYLESS = Identity(DEFAULT_TENANT_ID)
 ADMIN = Identity(DEFAULT_TENANT_ID, admin=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    identity: Identity | None  # None: the database said there is no such active key
+    checked_at: float
+
+
+class _DatabaseUnanswered(Exception):
+    """The database failed or did not answer within the lookup deadline."""
+
+
 class Authenticator:
-    """Resolves ``Authorization: Bearer`` keys; unknown keys are cached too, so guessing is cheap."""
+    """Resolves ``Authorization: Bearer`` keys; see the module docstring for the caching rules."""
 
     def __init__(
         self,
@@ -44,6 +85,8 @@ class Authenticator:
         admin_key: str | None,
         loopback: bool,
         internal_key: str | None = None,
+        policy: AuthPolicy = AuthPolicy(),
+        failure_limiter: MovingWindowRateLimiter,
     ) -> None:
         self._sessions = session_factory
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
@@ -51,8 +94,21 @@ class Authenticator:
         # keyless quick start keyless (an admin key would switch that off).
         self._internal_digest = hashlib.sha256(internal_key.encode()).digest() if internal_key else None
         self._loopback = loopback
-        self._keys: dict[bytes, tuple[Identity | None, float]] = {}
-        self._keyless: tuple[bool, float] = (False, 0.0)
+        self._policy = policy
+        self._known: TTLCache[bytes, _Verified] = TTLCache(MAX_KNOWN_KEYS, ttl=policy.key_stale_s)
+        self._unknown: TTLCache[bytes, _Verified] = TTLCache(MAX_UNKNOWN_KEYS, ttl=policy.key_ttl_s)
+        self._keyless: _Verified | None = None
+        self._refreshing: dict[bytes | None, asyncio.Task[None]] = {}
+        self._failures = failure_limiter
+        self._failure_limit = RateLimitItemPerMinute(policy.failures_per_minute)
+        self._executor = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="auth-lookup")
+
+    def close(self) -> None:
+        for task in self._refreshing.values():
+            task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the database, behind a deadline ----
 
     def _count_keys(self) -> int:
         with self._sessions() as session:
@@ -63,20 +119,64 @@ class Authenticator:
             found = lookup_api_key(session, plaintext)
         return Identity(found.tenant_id, api_key_id=found.key_id) if found else None
 
-    async def _is_keyless(self, now: float) -> bool:
+    async def _ask(self, query: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._executor, query), timeout=self._policy.lookup_timeout_s
+            )
+        except TimeoutError as exc:
+            raise _DatabaseUnanswered(f"no answer within {self._policy.lookup_timeout_s} s") from exc
+        except DBAPIError as exc:
+            raise _DatabaseUnanswered(str(exc.orig or exc)) from exc
+
+    def _revalidate(self, slot: bytes | None, query: Callable[[], _Verified]) -> None:
+        """Refresh a stale entry in the background (one refresh per entry at a time)."""
+        if slot in self._refreshing:
+            return
+
+        async def refresh() -> None:
+            try:
+                self._store(slot, await self._ask(query))
+            except _DatabaseUnanswered as exc:
+                logger.warning("could not revalidate an API key; serving the cached answer", extra={"error": str(exc)})
+            finally:
+                self._refreshing.pop(slot, None)
+
+        self._refreshing[slot] = asyncio.create_task(refresh())
+
+    def _store(self, slot: bytes | None, verified: _Verified) -> None:
+        if slot is None:
+            self._keyless = verified
+        elif verified.identity is None:
+            self._known.pop(slot, None)
+            self._unknown[slot] = verified
+        else:
+            self._unknown.pop(slot, None)
+            self._known[slot] = verified
+
+    # ---- keyless quick start ----
+
+    def _keyless_query(self) -> _Verified:
+        return _Verified(KEYLESS if self._count_keys() == 0 else None, time.monotonic())
+
+    async def _is_keyless(self) -> bool:
         # Keyless use is only for a loopback quick start with no keys at all; recheck now and then
         # so that creating the first key switches it off without a restart.
         if not self._loopback or self._admin_digest is not None:
             return False
-        keyless, expires = self._keyless
-        if now < expires:
-            return keyless
-        try:
-            keyless = await asyncio.to_thread(self._count_keys) == 0
-        except DBAPIError as exc:
-            raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
-        self._keyless = (keyless, now + KEYLESS_TTL_S)
-        return keyless
+        known = self._keyless
+        if known is None:
+            try:
+                known = await self._ask(self._keyless_query)
+            except _DatabaseUnanswered as exc:
+                raise _unavailable(exc) from exc
+            self._keyless = known
+        elif time.monotonic() - known.checked_at > self._policy.keyless_ttl_s:
+            self._revalidate(None, self._keyless_query)
+        return known.identity is not None
+
+    # ---- keys ----
 
     def _is_internal(self, authorization: str | None) -> bool:
         if self._internal_digest is None:
@@ -87,16 +187,17 @@ class Authenticator:
 
     def forget(self, key_hash: str | None = None) -> None:
         """Drop what is cached about a key (its stored SHA-256 hex) and about keyless use, so a key
-        revoked or created through this gateway takes effect at once (other gateways: within KEY_TTL_S)."""
+        revoked or created through this gateway takes effect at once (other gateways: within key_ttl_s)."""
         if key_hash is not None:
-            self._keys.pop(bytes.fromhex(key_hash), None)
-        self._keyless = (False, 0.0)
+            digest = bytes.fromhex(key_hash)
+            self._known.pop(digest, None)
+            self._unknown.pop(digest, None)
+        self._keyless = None
 
-    async def identify(self, authorization: str | None) -> Identity:
-        now = time.monotonic()
+    async def identify(self, authorization: str | None, client: str = "") -> Identity:
         if self._is_internal(authorization):
             return ADMIN
-        if await self._is_keyless(now):
+        if await self._is_keyless():
             return KEYLESS
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
@@ -109,25 +210,44 @@ class Authenticator:
         digest = hashlib.sha256(key.encode()).digest()
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
             return ADMIN
-        cached = self._keys.get(digest)
-        if cached is not None and now < cached[1]:
-            identity = cached[0]
-        else:
-            try:
-                identity = await asyncio.to_thread(self._lookup, key)
-            except DBAPIError as exc:
-                raise ApiError(503, DATABASE_DOWN, code="database_unavailable") from exc
-            if len(self._keys) >= MAX_CACHED_KEYS:
-                self._keys.clear()
-            self._keys[digest] = (identity, now + KEY_TTL_S)
+        identity = await self._key_identity(digest, key, client)
         if identity is None:
+            await self._failures.hit(self._failure_limit, "auth-failure", client)
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return identity
+
+    async def _key_identity(self, digest: bytes, key: str, client: str) -> Identity | None:
+        known = self._known.get(digest)
+        if known is not None:
+            if time.monotonic() - known.checked_at > self._policy.key_ttl_s:
+                self._revalidate(digest, lambda: _Verified(self._lookup(key), time.monotonic()))
+            return known.identity
+        if digest in self._unknown:
+            return None
+        if not await self._failures.test(self._failure_limit, "auth-failure", client):
+            raise ApiError(
+                429,
+                "Too many failed authentications from this address; wait a minute.",
+                code="too_many_failed_authentications",
+                headers={"Retry-After": "60"},
+            )
+        try:
+            verified = await self._ask(lambda: _Verified(self._lookup(key), time.monotonic()))
+        except _DatabaseUnanswered as exc:
+            raise _unavailable(exc) from exc
+        self._store(digest, verified)
+        return verified.identity
+
+
+def _unavailable(cause: Exception) -> ApiError:
+    logger.warning("API key lookup failed", extra={"error": str(cause)})
+    return ApiError(503, DATABASE_DOWN, code="database_unavailable", headers={"Retry-After": "2"})
 
 
 async def current_identity(request: Request) -> Identity:
     authenticator: Authenticator = request.app.state.auth
-    return await authenticator.identify(request.headers.get("authorization"))
+    client = request.client.host if request.client else ""
+    return await authenticator.identify(request.headers.get("authorization"), client)
 
 
 CurrentIdentity = Annotated[Identity, Depends(current_identity)]

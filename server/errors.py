@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from server.engines.base import EngineError
 
@@ -31,12 +32,21 @@ def error_type(status: int) -> str:
 class ApiError(Exception):
     """An error a client can act on; raised by services, turned into OpenAI's shape by the handler."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,  # e.g. Retry-After on a 429 or 503
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_payload(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
@@ -76,16 +86,40 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def _api_error(_: Request, exc: ApiError) -> Response:
-    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    # Deferred import: the routes' dependencies import this module.
+    from server.routes.deps import authenticate_first
+
+    try:
+        await authenticate_first(request)
+    except ApiError as error:
+        return await _api_error(request, error)
     message, param = validation_message(exc)
     return error_response(400, message, param=param, code="invalid_request")
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at the request's path (Starlette names only the first route's),
+    found by asking the app's routes whether they would take the request with each method."""
+    routes = request.app.router.routes
+    return ", ".join(
+        method
+        for method in HTTP_METHODS
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    headers = exc.headers
+    if exc.status_code == 405:
+        headers = {**(headers or {}), "Allow": allowed_methods(request)}
+    return error_response(exc.status_code, str(exc.detail), headers=headers)
 
 
 async def _engine_error(_: Request, exc: EngineError) -> Response:

@@ -10,6 +10,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
 POSTGRES_CONNECT_TIMEOUT_S = 10
+# A peer that vanished (host down, network cut) is noticed within ~10-25 s instead of the kernel's
+# ~15 minutes: unacknowledged writes give up after TCP_USER_TIMEOUT, idle sockets are probed.
+POSTGRES_SOCKET_OPTIONS = {
+    "tcp_user_timeout": 10_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
 
 
 def normalize_url(url: str) -> str:
@@ -25,13 +34,15 @@ def make_engine(
     *,
     sqlite_busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS,
     sqlite_sync_every_commit: bool = True,
+    statement_timeout_s: float = 0,
     **kwargs: Any,
 ) -> Engine:
     """An engine with the pragmas and driver tandem relies on; extra kwargs go to ``create_engine``.
 
     ``sqlite_sync_every_commit=False`` (WAL with synchronous=NORMAL) keeps commits durable across
     process crashes but not power loss; the conversation log uses it when its journal is not fsynced
-    per record either, which removes an fsync from every batch.
+    per record either, which removes an fsync from every batch. ``statement_timeout_s`` (PostgreSQL)
+    makes the server cancel a statement that runs longer, e.g. one stuck behind a lock; 0: no limit.
     """
     url = normalize_url(url)
     backend = make_url(url).get_backend_name()
@@ -40,7 +51,10 @@ def make_engine(
         _configure_sqlite(engine, sqlite_busy_timeout_ms, "FULL" if sqlite_sync_every_commit else "NORMAL")
         return engine
     if backend == "postgresql":
-        connect_args = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S, **kwargs.pop("connect_args", {})}
+        connect_args: dict[str, Any] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S, **POSTGRES_SOCKET_OPTIONS}
+        if statement_timeout_s:
+            connect_args["options"] = f"-c statement_timeout={int(statement_timeout_s * 1000)}"
+        connect_args.update(kwargs.pop("connect_args", {}))
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
     raise ValueError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
 

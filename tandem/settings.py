@@ -60,6 +60,17 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0)
 
+    # API keys (docs/security.md): how long the gateway trusts what the database said about a key.
+    auth_key_ttl_s: float = Field(30.0, gt=0, description="a verified key is rechecked in the background after this")
+    auth_key_stale_s: float = Field(
+        900.0, gt=0, description="a verified key keeps serving this long while the database does not answer"
+    )
+    auth_lookup_timeout_s: float = Field(2.0, gt=0, description="a key lookup slower than this answers 503")
+    auth_failures_per_minute: int = Field(30, ge=1, description="failed authentications allowed per client address")
+    database_statement_timeout_s: float = Field(
+        30.0, ge=0, description="PostgreSQL statement_timeout of the gateway's queries; 0: none"
+    )
+
     journal_fsync: Literal["interval", "always"] = "interval"
     journal_fsync_interval_s: float = Field(0.05, gt=0)
     log_flush_interval_s: float = Field(0.25, gt=0, description="journal -> database batching; lookups flush first")
@@ -137,6 +148,19 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("TANDEM_ADMIN_KEY is set but empty: give it a key, or unset it")
+        return value
+
+    @model_validator(mode="after")
+    def _stale_keys_outlive_fresh_ones(self) -> Settings:
+        if self.auth_key_stale_s < self.auth_key_ttl_s:
+            raise ValueError("auth_key_stale_s must be at least auth_key_ttl_s")
+        return self
 
     @field_validator("engine_urls", mode="before")
     @classmethod
