@@ -27,6 +27,20 @@ def check_stop_sequences(value: str | list[str] | None) -> str | list[str] | Non
     return value
 
 
+NUL_REFUSED = "must not contain NUL characters (U+0000)"
+
+
+def refuse_nul(value: str) -> str:
+    """``value`` itself when it holds no NUL: ids and names never do, and PostgreSQL refuses it in text."""
+    if "\0" in value:
+        raise ValueError(NUL_REFUSED)
+    return value
+
+
+NulFreeStr = Annotated[str, AfterValidator(refuse_nul)]
+"""An id or name in a request body: a string without NUL, checked by ``refuse_nul``."""
+
+
 StopSequences = Annotated[str | list[str] | None, AfterValidator(check_stop_sequences)]
 """A request's ``stop`` field: one sequence or a list of them, checked by ``check_stop_sequences``."""
 
@@ -134,7 +148,7 @@ class ChatCompletionRequest(_Request):
 
 
 class FeedbackRequest(_Request):
-    completion_id: str = Field(min_length=1, max_length=128)
+    completion_id: NulFreeStr = Field(min_length=1, max_length=128)
     rating: Literal["up", "down"] | None = None
     score: float | None = Field(None, ge=-1, le=1)
     choice_index: int = Field(0, ge=0, lt=MAX_N)

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from admin.deps import SessionsDep, in_thread
 from admin.routes.pages import Limit, page
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import ERRORS, INT64_MAX
 from storage.audit import AdminActionView, list_admin_actions
 
 router = APIRouter()
@@ -21,7 +21,7 @@ async def list_audit(
     _: AdminDep,
     sessions: SessionsDep,
     action: Annotated[str | None, Query(max_length=64, description="Only this action, e.g. run.cancel.")] = None,
-    before: Annotated[int | None, Query(ge=1, description="next_before of the previous page.")] = None,
+    before: Annotated[int | None, Query(ge=1, le=INT64_MAX, description="next_before of the previous page.")] = None,
     limit: Limit = 100,
 ) -> Response:
     def read() -> tuple[AdminActionView, ...]:

@@ -17,7 +17,7 @@ from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.tenants import get_tenant
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import ERRORS, NulFreeStr
 from storage.api_keys import KEY_PREFIX, create_api_key, list_api_keys, revoke_api_key
 from storage.models import ApiKey
 
@@ -27,8 +27,8 @@ HINT_SECRET_CHARS = 4
 
 
 class CreateKey(BaseModel):
-    tenant: str = Field(min_length=1, max_length=64, description="The id of an existing tenant.")
-    name: str = Field("default", min_length=1, max_length=200, description="A label for the key.")
+    tenant: NulFreeStr = Field(min_length=1, max_length=64, description="The id of an existing tenant.")
+    name: NulFreeStr = Field("default", min_length=1, max_length=200, description="A label for the key.")
 
 
 def key_view(key: ApiKey) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.tenants import get_tenant
 from server.errors import ApiError
-from server.routes.deps import AdminDep, json_response
+from server.routes.deps import NUL_ALLOWED, AdminDep, json_response
 from server.schemas import ERRORS
 from storage.learning_errors import NotFoundError
 from storage.tenants import DEFAULT_TENANT_ID
@@ -30,8 +30,15 @@ JOURNAL_FLUSH_S = 5.0
 # ``:path``: an end user id may hold a "/" (sent as %2F, which the router sees decoded).
 DATA_PATH = "/admin/users/{user:path}/data"
 
+# Any characters, NUL included: the chat request's `user` field is stored NUL-safe.
 User = Annotated[
-    str, Path(min_length=1, max_length=256, description="The end user: the `user` field of their chat requests.")
+    str,
+    Path(
+        min_length=1,
+        max_length=256,
+        description="The end user: the `user` field of their chat requests.",
+        json_schema_extra={NUL_ALLOWED: True},
+    ),
 ]
 Tenant = Annotated[str, Query(min_length=1, max_length=64, description="The end user's tenant.")]
 

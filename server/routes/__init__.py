@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from server.routes import admin_distributed, admin_rollouts, admin_weights, chat, completions, health, metrics, models
+from server.routes.deps import refuse_nul_in_url
 
 __all__ = ["router"]
 
-router = APIRouter()
+# Every route refuses NUL in its path and query values (server.routes.deps.refuse_nul_in_url).
+router = APIRouter(dependencies=[Depends(refuse_nul_in_url)])
 for module in (chat, models, completions, health, admin_weights, admin_distributed, admin_rollouts, metrics):
     router.include_router(module.router)

@@ -5,11 +5,15 @@ All are ``async def``: FastAPI runs plain ``def`` dependencies in a thread pool,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from server.auth import CurrentIdentity, Identity
 from server.chat_service import ChatService
@@ -17,7 +21,12 @@ from server.completions import CompletionService
 from server.distributed_rollout import DistributedRollouts
 from server.errors import ApiError
 from server.rollouts import RolloutService
+from server.schemas import NUL_REFUSED
 from server.weights import WeightService
+
+NUL_ALLOWED = "x-nul-allowed"
+"""``json_schema_extra`` key of a path or query parameter that may hold NUL (stored NUL-safe, like an
+end user id); ``refuse_nul_in_url`` refuses NUL in every other one."""
 
 
 async def _chat(request: Request) -> ChatService:
@@ -64,3 +73,44 @@ LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 
 def json_response(body: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+
+
+def _dependants(dependant: Dependant) -> Iterator[Dependant]:
+    """``dependant`` and every dependency below it."""
+    yield dependant
+    for sub in dependant.dependencies:
+        yield from _dependants(sub)
+
+
+def _route_dependants(request: Request) -> list[Dependant]:
+    route = request.scope.get("route")
+    return list(_dependants(route.dependant)) if isinstance(route, APIRoute) else []
+
+
+def _nul_allowed(request: Request) -> set[str]:
+    return {
+        param.alias
+        for dependant in _route_dependants(request)
+        for param in (*dependant.path_params, *dependant.query_params)
+        if isinstance(extra := param.field_info.json_schema_extra, dict) and extra.get(NUL_ALLOWED)
+    }
+
+
+async def refuse_nul_in_url(request: Request) -> None:
+    """A 400 for NUL in a path or query value (unless its parameter allows it): no id or filter holds
+    one, and PostgreSQL cannot even compare text with it, so the query would fail like an outage.
+    """
+    values = [("path", name, value) for name, value in request.path_params.items()]
+    values += [("query", name, value) for name, value in request.query_params.multi_items()]
+    refused = [item for item in values if isinstance(item[2], str) and "\0" in item[2]]
+    if not refused:
+        return
+    allowed = _nul_allowed(request)
+    errors = [
+        {"type": "nul_character", "loc": (where, name), "msg": NUL_REFUSED, "input": value}
+        for where, name, value in refused
+        if name not in allowed
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
