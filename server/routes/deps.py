@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from server.auth import CurrentIdentity, Identity
+from server.auth import CurrentIdentity, Identity, current_identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.distributed_rollout import DistributedRollouts
@@ -49,7 +49,7 @@ async def _rollouts(request: Request) -> RolloutService:
     return request.app.state.rollouts
 
 
-async def _admin(identity: CurrentIdentity) -> Identity:
+async def require_admin(identity: CurrentIdentity) -> Identity:
     if not identity.admin:
         raise ApiError(403, "This endpoint needs the admin key (TANDEM_ADMIN_KEY).", code="admin_required")
     return identity
@@ -67,7 +67,7 @@ CompletionsDep = Annotated[CompletionService, Depends(_completions)]
 WeightsDep = Annotated[WeightService, Depends(_weights)]
 DistributedDep = Annotated[DistributedRollouts, Depends(_distributed)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
-AdminDep = Annotated[Identity, Depends(_admin)]
+AdminDep = Annotated[Identity, Depends(require_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 
 
@@ -99,6 +99,8 @@ def _nul_allowed(request: Request) -> set[str]:
 async def refuse_nul_in_url(request: Request) -> None:
     """A 400 for NUL in a path or query value (unless its parameter allows it): no id or filter holds
     one, and PostgreSQL cannot even compare text with it, so the query would fail like an outage.
+
+    Raised as a validation error, so authentication still answers first (``authenticate_first``).
     """
     values = [("path", name, value) for name, value in request.path_params.items()]
     values += [("query", name, value) for name, value in request.query_params.multi_items()]
@@ -114,3 +116,17 @@ async def refuse_nul_in_url(request: Request) -> None:
     if errors:
         raise RequestValidationError(errors)
 
+
+async def authenticate_first(request: Request) -> None:
+    """Authenticate as the matched route would (and check the admin key where it needs it).
+
+    FastAPI parses and validates the request before it runs dependencies; the validation error
+    handler calls this first, so a caller without a valid key learns nothing about the body or the
+    parameters a route takes: 401 (or 403), not 400. Raises the ApiError the route would have.
+    """
+    calls = {dependant.call for dependant in _route_dependants(request)}
+    if current_identity not in calls:
+        return
+    identity = await current_identity(request)
+    if require_admin in calls:
+        await require_admin(identity)
