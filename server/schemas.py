@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOP = 4
@@ -107,6 +107,13 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: str = Field(description="Only 'text', the default, is supported yet; json_object and json_schema are a 400.")
+
+
+NO_TOOL_CALLS = ("none", "auto")  # without tools, neither changes the output
+
+
 class ChatCompletionRequest(_Request):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -125,6 +132,36 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    # Accepted only in the forms that change nothing: a request the gateway cannot honour is a 400
+    # naming the field, never a completion that silently ignores it.
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported yet: any tool is a 400.")
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported yet: any function is a 400.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="Only 'none' or 'auto' (no tools: nothing to call); anything else is a 400."
+    )
+    function_call: str | dict[str, Any] | None = Field(None, description="As tool_choice.")
+    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}, the default.")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool calling is not supported yet")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is not None and value not in NO_TOOL_CALLS:
+            raise ValueError(f"tool calling is not supported yet: only {' or '.join(map(repr, NO_TOOL_CALLS))}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            raise ValueError(f"response_format type {value.type!r} is not supported yet: only 'text'")
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
