@@ -51,9 +51,11 @@ def _on_postgres(dialect: Dialect) -> bool:
 
 
 class _NulSafe(TypeDecorator[Any]):
-    """Escapes on the way into PostgreSQL and unescapes on the way out, through ``_map_strings``."""
+    """Escapes on the way into PostgreSQL and unescapes on the way out, through ``_map_strings``.
 
-    cache_ok = True
+    Each concrete type sets ``cache_ok`` itself: SQLAlchemy reads it from the class, not its bases,
+    and without it every statement using the type is compiled anew (with an SAWarning).
+    """
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
         return _map_strings(value, escape_nul) if value is not None and _on_postgres(dialect) else value
@@ -64,18 +66,21 @@ class _NulSafe(TypeDecorator[Any]):
 
 class NulSafeText(_NulSafe):
     impl = Text
+    cache_ok = True
 
 
 class NulSafeString(_NulSafe):
     """``String(length)``; an escaped string is longer by one character per NUL or U+FFFF."""
 
     impl = String
+    cache_ok = True
 
 
 class NulSafeJson(_NulSafe):
     """JSON (JSONB on PostgreSQL) whose strings, keys included, may hold NUL."""
 
     impl = JSON
+    cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         return dialect.type_descriptor(JSONB() if _on_postgres(dialect) else JSON())
