@@ -115,6 +115,21 @@ NO_TOOL_CALLS = ("none", "auto")  # without tools, neither changes the output
 
 
 class ChatCompletionRequest(_Request):
+    # The cross-field rule of ``_check_logprobs``, in the schema too (for schema-based clients).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {
+                        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                        "required": ["top_logprobs"],
+                    },
+                    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+                }
+            ]
+        }
+    )
+
     model: str
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
@@ -185,6 +200,16 @@ class ChatCompletionRequest(_Request):
 
 
 class FeedbackRequest(_Request):
+    # ``_one_of_rating_or_score`` in the schema: exactly one of them is given (and not null).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["rating"], "properties": {"rating": {"type": "string"}}},
+                {"required": ["score"], "properties": {"score": {"type": "number"}}},
+            ]
+        }
+    )
+
     completion_id: NulFreeStr = Field(min_length=1, max_length=128)
     rating: Literal["up", "down"] | None = None
     score: float | None = Field(None, ge=-1, le=1)
@@ -311,3 +336,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         503: "No engine is ready, or the database is down",
     }.items()
 }
+CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {
+        "model": ErrorResponse,
+        "description": "Conflicts with the current state: it exists already, or its status forbids it",
+    }
+}
+"""For routes that can answer 409 as well: ``responses={**ERRORS, **CONFLICT}``."""

@@ -20,7 +20,7 @@ from server.errors import ApiError
 from server.metrics import GatewayMetrics
 from server.router.pool import EnginePool
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 from storage.audit import record_admin_action
 
 router = APIRouter()
@@ -121,13 +121,13 @@ async def _audited_set(
         raise await audit_refusal(sessions, error, actor=actor, action=action, target=replica) from error
 
 
-@router.post("/admin/engines/{replica:path}/drain", response_model=None, responses=ERRORS)
+@router.post("/admin/engines/{replica:path}/drain", response_model=None, responses={**ERRORS, **CONFLICT})
 async def drain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Take a replica out of rotation; 409 for the last one in rotation or the local engine."""
     return await _audited_set(request, actor, sessions, replica, True)
 
 
-@router.post("/admin/engines/{replica:path}/undrain", response_model=None, responses=ERRORS)
+@router.post("/admin/engines/{replica:path}/undrain", response_model=None, responses={**ERRORS, **CONFLICT})
 async def undrain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Put a drained replica back in rotation; its sessions return to it."""
     return await _audited_set(request, actor, sessions, replica, False)

@@ -14,7 +14,7 @@ from admin.deps import ActorDep, ReasonRequest, SessionsDep, audit_refusal, in_t
 from admin.routes.pages import Limit, page
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 from storage.audit import record_admin_action
 from storage.learning_errors import LearningStateError, NotFoundError
 from storage.round_search import search_rounds
@@ -63,7 +63,7 @@ async def get_run(round_id: str, _: AdminDep, sessions: SessionsDep) -> Response
     return json_response(_detail(view))
 
 
-@router.post("/admin/runs/{round_id}/cancel", response_model=None, responses=ERRORS)
+@router.post("/admin/runs/{round_id}/cancel", response_model=None, responses={**ERRORS, **CONFLICT})
 async def cancel_run(
     round_id: str, actor: ActorDep, sessions: SessionsDep, body: ReasonRequest | None = None
 ) -> Response:

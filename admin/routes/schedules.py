@@ -38,7 +38,7 @@ from learner.schedule_slots import (
 )
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 from storage.learning_errors import NotFoundError
 from storage.schedules import (
     SCHEDULE_FIELDS,
@@ -135,7 +135,7 @@ def _name_taken(name: str) -> ApiError:
     return ApiError(409, f"Another schedule is named '{name}'.", param="name", code="schedule_exists")
 
 
-@router.post("/admin/schedules", status_code=201, response_model=None, responses=ERRORS)
+@router.post("/admin/schedules", status_code=201, response_model=None, responses={**ERRORS, **CONFLICT})
 async def create(body: CreateSchedule, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     schedule_id = f"sched_{uuid.uuid4().hex[:16]}"
     fields = body.model_dump(include=set(SCHEDULE_FIELDS))
@@ -177,7 +177,7 @@ async def show(schedule_id: str, _: AdminDep, sessions: SessionsDep) -> Response
     return json_response(await in_thread(read, sessions, lambda session: _shown(session, _get(session, schedule_id))))
 
 
-@router.patch("/admin/schedules/{schedule_id}", response_model=None, responses=ERRORS)
+@router.patch("/admin/schedules/{schedule_id}", response_model=None, responses={**ERRORS, **CONFLICT})
 async def edit(
     schedule_id: str, body: UpdateSchedule, actor: ActorDep, sessions: SessionsDep, request: Request
 ) -> Response:

@@ -14,7 +14,7 @@ from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 from storage.api_keys import count_active_keys_by_tenant, revoke_tenant_keys
 from storage.models import Tenant
 from storage.tenants import ensure_tenant, list_tenants, tenant_by_name
@@ -44,7 +44,7 @@ def get_tenant(session: Session, tenant_id: str) -> Tenant:
     return tenant
 
 
-@router.post("/admin/tenants", status_code=201, response_model=None, responses=ERRORS)
+@router.post("/admin/tenants", status_code=201, response_model=None, responses={**ERRORS, **CONFLICT})
 async def create_tenant(body: CreateTenant, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     name = body.name or body.id
 

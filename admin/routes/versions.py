@@ -21,7 +21,7 @@ from admin.routes.pages import Limit, page
 from server.engines.base import EngineError
 from server.errors import ApiError
 from server.routes.deps import AdminDep, WeightsDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 from storage.audit import record_admin_action
 from storage.learning_errors import NotFoundError
 from storage.model_versions import ModelVersionView, get_version
@@ -84,7 +84,7 @@ async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep
         raise _not_found(exc) from exc
 
 
-@router.post("/admin/models/{version_id}/promote", response_model=None, responses=ERRORS)
+@router.post("/admin/models/{version_id}/promote", response_model=None, responses={**ERRORS, **CONFLICT})
 async def promote(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:
@@ -92,7 +92,7 @@ async def promote(
     return await _swap("promote", version_id, actor, sessions, weights, body)
 
 
-@router.post("/admin/models/{version_id}/rollback", response_model=None, responses=ERRORS)
+@router.post("/admin/models/{version_id}/rollback", response_model=None, responses={**ERRORS, **CONFLICT})
 async def rollback(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:

@@ -10,15 +10,33 @@ from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.routes.deps import AdminDep, DistributedDep, WeightsDep, json_response
-from server.schemas import ERRORS
+from server.schemas import CONFLICT, ERRORS
 
 router = APIRouter()
 
 
 class RollOutRequest(BaseModel):
+    # ``_one_source`` in the schema too (for schema-based clients): delta needs delta_path; the other
+    # sources need model_path and weight_version, and take no delta_path.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"source": {"const": "delta"}}, "required": ["source"]},
+                    "then": {"properties": {"delta_path": {"type": "string"}}, "required": ["delta_path"]},
+                    "else": {
+                        "properties": {"model_path": {"type": "string"}, "weight_version": {"type": "string"}},
+                        "required": ["model_path", "weight_version"],
+                        "not": {"properties": {"delta_path": {"type": "string"}}, "required": ["delta_path"]},
+                    },
+                }
+            ]
+        }
+    )
+
     source: Literal["disk", "delta", "distributed"] = Field(
         "disk",
         description="Where the new weights come from; distributed: a trainer broadcasts them to the engines "
@@ -62,7 +80,7 @@ async def get_weights(_: AdminDep, service: WeightsDep) -> Response:
     return json_response(await service.serving())
 
 
-@router.post("/admin/weights", response_model=None, responses=ERRORS)
+@router.post("/admin/weights", response_model=None, responses={**ERRORS, **CONFLICT})
 async def roll_out_weights(
     body: RollOutRequest, _: AdminDep, service: WeightsDep, distributed: DistributedDep
 ) -> Response:

@@ -13,7 +13,13 @@ from server.schemas import ERRORS
 router = APIRouter()
 
 
-@router.get("/metrics", response_model=None, responses=ERRORS)
-async def metrics(_: AdminDep, request: Request) -> Response:
+class PrometheusText(Response):
+    """The text exposition format; as the response class, it is what OpenAPI documents for a 200."""
+
+    media_type = CONTENT_TYPE
+
+
+@router.get("/metrics", response_class=PrometheusText, responses=ERRORS)
+async def metrics(_: AdminDep, request: Request) -> PrometheusText:
     state = request.app.state
-    return Response(await scrape(state.metrics, state.engine, state.sessions), media_type=CONTENT_TYPE)
+    return PrometheusText(await scrape(state.metrics, state.engine, state.sessions))
