@@ -22,13 +22,14 @@ from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
 from server.metrics import GatewayMetrics, MetricsMiddleware
-from server.rate_limits import limiter_for
+from server.rate_limits import ReleaseAdmissions, RequestLimiter, limiter_for
 from server.rollouts import RolloutService
 from server.routes import router
 from server.weights import WeightService
 from storage.api_keys import count_active_api_keys
 from storage.db import make_engine, make_session_factory
 from storage.migrate import upgrade
+from storage.rate_limits import Limits
 from tandem.logging import RequestLogMiddleware
 from tandem.models import resolve_model
 from tandem.settings import Settings
@@ -100,6 +101,14 @@ async def _migrate(url: str) -> asyncio.Task[None] | None:
     return asyncio.create_task(retry())
 
 
+def _default_tenant_limits(settings: Settings) -> Limits:
+    return Limits(
+        requests_per_minute=settings.tenant_requests_per_minute or None,
+        tokens_per_minute=settings.tenant_tokens_per_minute or None,
+        max_concurrent_requests=settings.tenant_max_concurrent_requests or None,
+    )
+
+
 def _load_tokenizer(settings: Settings, engine: Engine) -> PreTrainedTokenizerBase:
     path = Path(engine.model_info().model_path)
     if not (path / "tokenizer_config.json").exists():  # a remote engine's path is not on this machine
@@ -163,6 +172,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             app.state.engine = serving
             app.state.sessions = sessions
             app.state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.rollout_max_concurrency)
+            windows = limiter_for(settings.redis_url, settings.redis_key_prefix)
+            app.state.limits = RequestLimiter(windows, _default_tenant_limits(settings))
             app.state.auth = Authenticator(
                 sessions,
                 admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
@@ -174,7 +185,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
                     lookup_timeout_s=settings.auth_lookup_timeout_s,
                     failures_per_minute=settings.auth_failures_per_minute,
                 ),
-                failure_limiter=limiter_for(settings.redis_url, settings.redis_key_prefix),
+                failure_limiter=windows,
             )
             stack.callback(app.state.auth.close)
             info = serving.model_info()
@@ -195,4 +206,5 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside the body limit: its 413s count too
     app.add_middleware(RequestLogMiddleware)
+    app.add_middleware(ReleaseAdmissions)
     return app

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.errors import ApiError
 from storage.api_keys import count_active_api_keys, lookup_api_key
+from storage.rate_limits import Limits, limits_of_key
 from storage.tenants import DEFAULT_TENANT_ID
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class Identity:
     tenant_id: str
     api_key_id: str | None = None
     admin: bool = False
+    # Stored request limits (server/rate_limits.py); None: the deployment's default (tenant) or none (key).
+    tenant_limits: Limits | None = None
+    key_limits: Limits | None = None
 
 
 KEYLESS = Identity(DEFAULT_TENANT_ID)
@@ -98,6 +102,7 @@ class Authenticator:
         self._known: TTLCache[bytes, _Verified] = TTLCache(MAX_KNOWN_KEYS, ttl=policy.key_stale_s)
         self._unknown: TTLCache[bytes, _Verified] = TTLCache(MAX_UNKNOWN_KEYS, ttl=policy.key_ttl_s)
         self._keyless: _Verified | None = None
+        self._rechecked_at = 0.0  # entries checked before this are due for a recheck (recheck_all)
         self._refreshing: dict[bytes | None, asyncio.Task[None]] = {}
         self._failures = failure_limiter
         self._failure_limit = RateLimitItemPerMinute(policy.failures_per_minute)
@@ -117,7 +122,10 @@ class Authenticator:
     def _lookup(self, plaintext: str) -> Identity | None:
         with self._sessions() as session:
             found = lookup_api_key(session, plaintext)
-        return Identity(found.tenant_id, api_key_id=found.key_id) if found else None
+            if found is None:
+                return None
+            tenant_limits, key_limits = limits_of_key(session, found.tenant_id, found.key_id)
+        return Identity(found.tenant_id, found.key_id, tenant_limits=tenant_limits, key_limits=key_limits)
 
     async def _ask(self, query: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -194,6 +202,10 @@ class Authenticator:
             self._unknown.pop(digest, None)
         self._keyless = None
 
+    def recheck_all(self) -> None:
+        """Revalidate every known key on its next request, serving it meanwhile (limits changed, say)."""
+        self._rechecked_at = time.monotonic()
+
     async def identify(self, authorization: str | None, client: str = "") -> Identity:
         if self._is_internal(authorization):
             return ADMIN
@@ -217,10 +229,21 @@ class Authenticator:
         return identity
 
     async def _key_identity(self, digest: bytes, key: str, client: str) -> Identity | None:
+        def query() -> _Verified:
+            return _Verified(self._lookup(key), time.monotonic())
+
         known = self._known.get(digest)
+        if known is not None and known.checked_at < self._rechecked_at:
+            # Changed through this gateway (limits, say): take the change now if the database answers.
+            try:
+                verified = await self._ask(query)
+            except _DatabaseUnanswered:
+                return known.identity
+            self._store(digest, verified)
+            return verified.identity
         if known is not None:
-            if time.monotonic() - known.checked_at > self._policy.key_ttl_s:
-                self._revalidate(digest, lambda: _Verified(self._lookup(key), time.monotonic()))
+            if known.checked_at < time.monotonic() - self._policy.key_ttl_s:
+                self._revalidate(digest, query)
             return known.identity
         if digest in self._unknown:
             return None
@@ -232,7 +255,7 @@ class Authenticator:
                 headers={"Retry-After": "60"},
             )
         try:
-            verified = await self._ask(lambda: _Verified(self._lookup(key), time.monotonic()))
+            verified = await self._ask(query)
         except _DatabaseUnanswered as exc:
             raise _unavailable(exc) from exc
         self._store(digest, verified)

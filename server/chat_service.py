@@ -51,6 +51,11 @@ class ChatCall:
     states: list[ChoiceState] = field(default_factory=list)
     first_token_at: float | None = None
 
+    @property
+    def token_budget(self) -> int:
+        """The most tokens this request can use: its prompt and every choice's completion budget."""
+        return len(self.prompt_ids) + sum(s.max_new_tokens for s in self.sampling)
+
 
 async def _close(stream: AsyncIterator[TokenChunk]) -> None:
     if isinstance(stream, AsyncGenerator):

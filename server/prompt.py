@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -12,14 +13,22 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from server.errors import ApiError
 from server.schemas import AssistantMessage, Content, Message, ToolMessage
 
-# Longer conversations are tokenised in a thread so one big prompt does not stall the event loop.
+# Longer conversations are tokenised on the renderer's threads so one big prompt does not stall the
+# event loop (the tokenizer's batch encode releases the GIL; its single encode does not).
 _INLINE_CHARS = 8_192
+TOKENIZE_THREADS = 2
 
 
 def content_text(content: Content | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "\n".join(part.text for part in content)
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token stands for: a vocabulary entry is never shorter than its text
+    (byte-level entries spell one byte per character, sentencepiece ones one character each)."""
+    return max(len(token) for token in tokenizer.get_vocab())
 
 
 def template_message(message: Message) -> dict[str, Any]:
@@ -43,6 +52,10 @@ class PromptRenderer:
         self._template_vars = dict(tokenizer.special_tokens_map)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._control = tuple(token.content for token in tokenizer.added_tokens_decoder.values())
+        # More characters than this cannot fit the context, whatever they are: refused before the
+        # tokenizer spends seconds on them (a 4 MB prompt took 5-18 s and stalled other requests).
+        self.max_prompt_chars = context_length * longest_token_chars(tokenizer)
+        self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     def render_closed(self, conversation: list[dict[str, Any]]) -> list[int]:
         """Ids of a conversation that ends with an assistant message (no generation prompt)."""
@@ -60,7 +73,7 @@ class PromptRenderer:
                     add_generation_prompt=generation_prompt,
                     **self._template_vars,
                 )
-                return self._backend.encode(text, add_special_tokens=False).ids
+                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
             ids = self.tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=generation_prompt,
@@ -79,9 +92,19 @@ class PromptRenderer:
 
     async def render_conversation(self, conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
         size = sum(len(m["content"]) for m in conversation)
-        ids = (
-            self._render(conversation) if size <= _INLINE_CHARS else await asyncio.to_thread(self._render, conversation)
-        )
+        if size > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens. However, your messages "
+                f"have {size} characters, more than {self.max_prompt_chars} (the most that can fit). "
+                "Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if size <= _INLINE_CHARS:
+            ids = self._render(conversation)
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._threads, self._render, conversation)
         if len(ids) >= self.context_length:
             raise ApiError(
                 400,

@@ -64,6 +64,19 @@ class ApiKey(Base):
     last_used_at: Mapped[datetime | None]
 
 
+class RateLimit(Base):
+    """Request limits of one tenant or one API key (storage/rate_limits.py); a null column: no limit."""
+
+    __tablename__ = "rate_limits"
+
+    scope: Mapped[str] = mapped_column(String(16), primary_key=True)  # "tenant" | "key"
+    subject_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    requests_per_minute: Mapped[int | None]
+    tokens_per_minute: Mapped[int | None]
+    max_concurrent_requests: Mapped[int | None]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class EndUser(Base):
     __tablename__ = "end_users"
     __table_args__ = (UniqueConstraint("tenant_id", "external_id"),)

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     )
     auth_lookup_timeout_s: float = Field(2.0, gt=0, description="a key lookup slower than this answers 503")
     auth_failures_per_minute: int = Field(30, ge=1, description="failed authentications allowed per client address")
+    # Request limits of a tenant without limits of its own (PUT /admin/tenants/{id}/limits); 0: none.
+    tenant_max_concurrent_requests: int = Field(
+        64, ge=0, description="requests of one tenant in progress at once on a gateway (the engine queue is shared)"
+    )
+    tenant_requests_per_minute: int = Field(0, ge=0)
+    tenant_tokens_per_minute: int = Field(0, ge=0, description="prompt tokens plus max_tokens x n, per minute")
     database_statement_timeout_s: float = Field(
         30.0, ge=0, description="PostgreSQL statement_timeout of the gateway's queries; 0: none"
     )

@@ -44,7 +44,7 @@ def key_view(key: ApiKey) -> dict[str, Any]:
     }
 
 
-def _get_key(session: Session, key_id: str) -> ApiKey:
+def get_api_key(session: Session, key_id: str) -> ApiKey:
     key = session.get(ApiKey, key_id)
     if key is None:
         raise ApiError(404, f"No API key with id '{key_id}'.", param="key_id", code="key_not_found")
@@ -75,7 +75,7 @@ async def get_keys(_: AdminDep, sessions: SessionsDep, tenant: str | None = None
 
 @router.get("/admin/keys/{key_id}", response_model=None, responses=ERRORS)
 async def get_key(key_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
-    return json_response(await in_thread(read, sessions, lambda session: key_view(_get_key(session, key_id))))
+    return json_response(await in_thread(read, sessions, lambda session: key_view(get_api_key(session, key_id))))
 
 
 @router.delete("/admin/keys/{key_id}", response_model=None, responses=ERRORS)
@@ -83,7 +83,7 @@ async def revoke_key(key_id: str, actor: ActorDep, sessions: SessionsDep, reques
     """Revoke a key (idempotent: revoking again keeps the first time)."""
 
     def work(session: Session) -> tuple[tuple[dict[str, Any], str], dict[str, Any]]:
-        key = _get_key(session, key_id)
+        key = get_api_key(session, key_id)
         revoke_api_key(session, key.id)  # updates ``key``: the session holds one object per row
         return (key_view(key), key.key_hash), {"tenant_id": key.tenant_id}
 

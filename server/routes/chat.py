@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import Response, StreamingResponse
 
 from server.auth import CurrentIdentity
+from server.rate_limits import Admitted
 from server.routes.deps import ChatDep, LogFields, json_response
 from server.schemas import ERRORS, ChatCompletion, ChatCompletionRequest
 
@@ -24,11 +25,13 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def create_chat_completion(
     body: ChatCompletionRequest,
     identity: CurrentIdentity,
+    admission: Admitted,
     service: ChatDep,
     fields: LogFields,
     x_session_id: Annotated[str | None, Header(max_length=256)] = None,
 ) -> Response:
     call = await service.accept(body, identity, session_header=x_session_id, log_fields=fields)
+    await admission.charge_tokens(call.token_budget)
     if body.stream:
         stream = await service.open_stream(call)
         return StreamingResponse(stream, media_type="text/event-stream", headers=_STREAM_HEADERS)

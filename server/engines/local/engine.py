@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -287,6 +287,25 @@ class LocalEngine:
         position = next(i for i, queued in enumerate(waiting) if queued.priority < seq.priority)
         waiting.insert(position, seq)
 
+    def _take_fairly(self, admitted: list[Sequence]) -> Sequence:
+        """The next request to admit (call under the lock): of the highest waiting priority, the oldest
+        of the tenant (cache salt) with the fewest requests running, so that one tenant's backlog does
+        not hold the others' requests back."""
+        running = Counter(seq.cache_salt for seq in (*self._running, *admitted))
+        top = self._waiting[0].priority
+        best, fewest = 0, None
+        for index, seq in enumerate(self._waiting):
+            if seq.priority != top:
+                break
+            load = running[seq.cache_salt]
+            if fewest is None or load < fewest:
+                best, fewest = index, load
+                if load == 0:
+                    break
+        chosen = self._waiting[best]
+        del self._waiting[best]
+        return chosen
+
     # ---- the engine thread ----
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -328,9 +347,9 @@ class LocalEngine:
 
     def _step(self) -> None:
         with self._cond:
-            admitted = []
+            admitted: list[Sequence] = []
             while self._waiting and len(self._running) + len(admitted) < self._max_batch:
-                admitted.append(self._waiting.popleft())
+                admitted.append(self._take_fairly(admitted))
         for seq in admitted:
             if seq.cancelled:
                 self._release()
