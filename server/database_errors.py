@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DATABASE_DOWN = "The database is unavailable; retry shortly."
+RETRY_AFTER_S = "2"  # what a 503 tells the client to wait, as the API key check's does
 
 
 def driver_message(exc: DBAPIError) -> str:
@@ -41,7 +42,7 @@ def database_error(exc: DBAPIError, message: str = DATABASE_DOWN) -> ApiError:
         reason = (str(exc.orig).strip().splitlines() or ["invalid value"])[0]
         return ApiError(400, f"The database refused a value of this request: {reason}", code="invalid_value")
     log.error("database unavailable: %s", driver_message(exc))
-    return ApiError(503, message, code="database_unavailable")
+    return ApiError(503, message, code="database_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def database_call(fn: Callable[..., T], *args: Any, message: str = DATABASE_DOWN, **kwargs: Any) -> T:

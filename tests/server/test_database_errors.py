@@ -51,6 +51,7 @@ async def test_an_outage_is_503_and_logs_the_driver_error(
         "database_unavailable",
         DATABASE_DOWN,
     )
+    assert caught.value.headers == {"Retry-After": "2"}
     [line] = [record for record in caplog.records if record.name == "server.database_errors"]
     assert line.levelno == logging.ERROR
     assert driver_says in line.getMessage()
