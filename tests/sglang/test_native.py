@@ -92,3 +92,14 @@ async def test_context_length_comes_from_the_server(sglang: SGLangClient) -> Non
     # SGLang's /model_info lacks it; the gateway must not need the model folder on its own disk.
     assert await sglang._served_context_length() == 2048
     assert sglang.model_info().context_length == 2048
+
+
+async def test_the_radix_cache_is_partitioned_by_cache_salt(sglang: SGLangClient) -> None:
+    """The tenant salt the gateway sends (server.cache_scope) keeps one tenant's cached prefix from
+    another's: without it, SGLang's radix cache reports a shared prefix to anyone who sends it."""
+    prompt = [9, 1400, 77, 1800, 3, 650, 1201, 44, 980, 1600, 12, 1999, 501, 8, 733, 1066]
+    await collect(sglang, prompt, greedy(2), cache_salt="tenant-a")
+    assert (await collect(sglang, prompt, greedy(2), cache_salt="tenant-b")).cached_tokens == 0
+    assert (await collect(sglang, prompt, greedy(2))).cached_tokens == 0
+    assert (await collect(sglang, prompt, greedy(2), cache_salt="tenant-a")).cached_tokens >= len(prompt) // 2
+    assert (await collect(sglang, prompt, greedy(2))).cached_tokens >= len(prompt) // 2  # unsalted: shared
