@@ -40,7 +40,9 @@ def get_limits(session: Session, scope: Scope, subject_id: str) -> Limits | None
 
 def set_limits(session: Session, scope: Scope, subject_id: str, limits: Limits) -> Limits:
     values = {f.name: getattr(limits, f.name) for f in fields(Limits)}
-    insert = dialect_insert(session, RateLimit).values(scope=scope, subject_id=subject_id, updated_at=utcnow(), **values)
+    insert = dialect_insert(session, RateLimit).values(
+        scope=scope, subject_id=subject_id, updated_at=utcnow(), **values
+    )
     updated = {**values, "updated_at": utcnow()}
     session.execute(insert.on_conflict_do_update(index_elements=["scope", "subject_id"], set_=updated))
     return limits

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from server.cache_scope import cache_salt, engine_session_key
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_server import create_engine_app
 from server.router.affinity import HashRing
@@ -26,6 +27,11 @@ from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SESSIONS = [f"user-{i}" for i in range(12)]
+
+
+def engine_key(session: str) -> str:
+    """The key the router places a session of tenant acme by (server.cache_scope)."""
+    return engine_session_key(cache_salt("acme"), session) or ""
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +155,7 @@ def test_lists_every_replica_with_health_weights_and_load(pool_gateway: Gateway)
         client.chat.completions.create(
             model=pool_gateway.model, messages=[{"role": "user", "content": "cache me"}], max_tokens=2, user="cacher"
         )
-    home = next(HashRing(list(replicas)).walk("cacher"))
+    home = next(HashRing(list(replicas)).walk(engine_key("cacher")))
     ratio = engines(pool_gateway)[home]["cache_hit_ratio"]
     samples, _ = parse(httpx.get(f"{pool_gateway.url}/metrics", headers=ADMIN).text)
     tokens = {
@@ -164,7 +170,7 @@ def test_lists_every_replica_with_health_weights_and_load(pool_gateway: Gateway)
 def test_draining_under_load_fails_nothing_and_undraining_returns_traffic(pool_gateway: Gateway) -> None:
     names = list(engines(pool_gateway))
     ring = HashRing(names)
-    victim = max(names, key=lambda n: sum(next(ring.walk(s)) == n for s in SESSIONS))  # the busiest home
+    victim = max(names, key=lambda n: sum(next(ring.walk(engine_key(s))) == n for s in SESSIONS))  # the busiest home
     with SessionLoad(pool_gateway) as load:
         load.wait_for(12)
         drained = post(pool_gateway, victim, "drain")

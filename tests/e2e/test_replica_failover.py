@@ -16,9 +16,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from server.app import create_app
+from server.cache_scope import cache_salt, engine_session_key
 from server.engines.factory import open_engine
 from server.router.affinity import HashRing
 from server.router.pool import EnginePool
+from storage.tenants import DEFAULT_TENANT_ID
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import gateway_settings
 from tests.support.uvicorn_thread import free_port, serve_in_thread
@@ -163,12 +165,15 @@ def test_killing_a_replica_under_load_loses_only_its_streams_and_logs_everything
     victim_url = pool.supervisor.servers[1].launch.url  # type: ignore[union-attr]
     # Ports differ per run and so does the ring: pick sessions homed on each replica, three apiece.
     ring = HashRing(list(pool.replicas))
-    homed = {
-        name: [k for k in (f"user-{i}" for i in range(300)) if next(ring.walk(k)) == name][:3] for name in ring.walk("")
-    }
+    salt = cache_salt(DEFAULT_TENANT_ID)  # keyless: the engines see sessions inside the default tenant
+
+    def home(session: str) -> str:
+        return next(ring.walk(engine_session_key(salt, session) or ""))
+
+    homed = {name: [k for k in (f"user-{i}" for i in range(300)) if home(k) == name][:3] for name in ring.walk("")}
     sessions = [key for keys in homed.values() for key in keys]
     # One long stream certainly under way on the victim when it dies.
-    doomed_session = next(f"doomed-{i}" for i in range(100) if next(ring.walk(f"doomed-{i}")) == victim_url)
+    doomed_session = next(f"doomed-{i}" for i in range(100) if home(f"doomed-{i}") == victim_url)
     doomed = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "a long story"}],
