@@ -31,6 +31,7 @@ from limits.aio.strategies import MovingWindowRateLimiter
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.database_errors import driver_message
 from server.errors import ApiError
 from storage.api_keys import count_active_api_keys, lookup_api_key
 from storage.rate_limits import Limits, limits_of_key
@@ -136,7 +137,7 @@ class Authenticator:
         except TimeoutError as exc:
             raise _DatabaseUnanswered(f"no answer within {self._policy.lookup_timeout_s} s") from exc
         except DBAPIError as exc:
-            raise _DatabaseUnanswered(str(exc.orig or exc)) from exc
+            raise _DatabaseUnanswered(driver_message(exc)) from exc
 
     def _revalidate(self, slot: bytes | None, query: Callable[[], _Verified]) -> None:
         """Refresh a stale entry in the background (one refresh per entry at a time)."""
