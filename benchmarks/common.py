@@ -83,14 +83,17 @@ def progress() -> Progress:
     return Progress(console=console, transient=True)
 
 
-def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
-    """Start `tandem <args>` and wait until ``url`` answers; its output goes to a log in its data dir."""
+def start(args: list[str], env: dict[str, str], url: str, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start `tandem <args>` (from the source tree ``cwd``, default this one) and wait until ``url``
+    answers; its output goes to a log in its data dir."""
     env = {"TANDEM_LEARNER": "off", **env}  # benchmarks measure serving: no learner child on the cores
     log_dir = Path(env.get("TANDEM_DATA_DIR") or ".")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{args[0]}-{os.getpid()}-{time.monotonic_ns()}.log"
     with log.open("wb") as out:  # a file, not a pipe nobody drains: a chatty process would block on it
-        process = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], env=env, stdout=out, stderr=out)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *args], env=env, stdout=out, stderr=out, cwd=cwd
+        )
     deadline = time.monotonic() + 300  # a gateway that launches SGLang waits for it
     while time.monotonic() < deadline:
         if process.poll() is not None:

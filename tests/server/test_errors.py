@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,3 +176,13 @@ def test_non_loopback_without_keys_refuses_to_start(tiny_model: Path, tmp_path: 
     create_app(gateway_settings(tmp_path, tiny_model, host="0.0.0.0", admin_key=ADMIN_KEY))
     create_keys(open_bind.resolved_database_url, ("acme",))
     create_app(open_bind)
+
+
+def test_an_empty_admin_key_is_refused_with_the_setting_named(tmp_path: Path) -> None:
+    """`TANDEM_ADMIN_KEY=` with a public bind used to skip the unprotected-bind check and start."""
+    env = {**os.environ, "TANDEM_ADMIN_KEY": "", "TANDEM_HOST": "0.0.0.0", "TANDEM_DATA_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "TANDEM_ADMIN_KEY is set but empty" in done.stderr

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from server.engines.base import (
     SamplingParams,
     TokenChunk,
 )
+from server.engines.local.fair_share import next_to_admit, preemption_victim
 from server.engines.local.kv import BatchKV, RowKV
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.sampler import sample
@@ -287,25 +288,6 @@ class LocalEngine:
         position = next(i for i, queued in enumerate(waiting) if queued.priority < seq.priority)
         waiting.insert(position, seq)
 
-    def _take_fairly(self, admitted: list[Sequence]) -> Sequence:
-        """The next request to admit (call under the lock): of the highest waiting priority, the oldest
-        of the tenant (cache salt) with the fewest requests running, so that one tenant's backlog does
-        not hold the others' requests back."""
-        running = Counter(seq.cache_salt for seq in (*self._running, *admitted))
-        top = self._waiting[0].priority
-        best, fewest = 0, None
-        for index, seq in enumerate(self._waiting):
-            if seq.priority != top:
-                break
-            load = running[seq.cache_salt]
-            if fewest is None or load < fewest:
-                best, fewest = index, load
-                if load == 0:
-                    break
-        chosen = self._waiting[best]
-        del self._waiting[best]
-        return chosen
-
     # ---- the engine thread ----
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -347,9 +329,14 @@ class LocalEngine:
 
     def _step(self) -> None:
         with self._cond:
+            victim = preemption_victim(self._waiting, self._running, self._max_batch)
+            if victim is not None:
+                self._retract(victim)
             admitted: list[Sequence] = []
             while self._waiting and len(self._running) + len(admitted) < self._max_batch:
-                admitted.append(self._take_fairly(admitted))
+                index = next_to_admit(self._waiting, [*self._running, *admitted])
+                admitted.append(self._waiting[index])
+                del self._waiting[index]
         for seq in admitted:
             if seq.cancelled:
                 self._release()
@@ -468,6 +455,14 @@ class LocalEngine:
         self._swaps += 1
         # Cached prefixes hold keys/values of the old weights.
         self._prefix.clear()
+
+    def _retract(self, index: int) -> None:
+        """Send one running request back to the front of its priority in the queue (call under the
+        lock); its KV is dropped and rebuilt from its prompt and output when it is admitted again."""
+        seq = self._running.pop(index)
+        self._batch.keep_rows([i for i in range(len(self._running) + 1) if i != index])
+        position = next((i for i, queued in enumerate(self._waiting) if queued.priority <= seq.priority), None)
+        self._waiting.insert(len(self._waiting) if position is None else position, seq)
 
     def _pause(self, mode: PauseMode) -> None:
         self._paused = True

@@ -7,9 +7,11 @@ to 7.9 s, queued behind the whole backlog.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 from server.engines.local.engine import LocalEngine
+from server.engines.local.fair_share import next_to_admit, preemption_victim
 from tests.server.engines.helpers import greedy
 
 PROMPT = [1, 2, 3, 4]
@@ -38,3 +40,45 @@ async def test_another_tenants_request_is_admitted_before_one_tenants_backlog(ti
         assert [name for name in started if name.startswith("a")] == [f"a{i}" for i in range(7)]  # FIFO per tenant
     finally:
         await engine.close()
+
+
+async def test_a_tenant_arriving_at_a_full_batch_gets_a_slot_without_waiting_for_it_to_drain(
+    tiny_model: Path,
+) -> None:
+    """Long requests admitted together finish together: without a retraction the newcomer would wait
+    for all of them. One of the busy tenant's requests steps back and resumes where it stopped."""
+    engine = await LocalEngine.open(tiny_model, torch_threads=1, max_batch_size=2)
+    try:
+        produced: dict[str, int] = {}
+
+        async def run(name: str, salt: str, tokens: int) -> None:
+            produced[name] = 0
+            async for chunk in engine.generate(PROMPT, greedy(tokens), cache_salt=salt):
+                produced[name] += len(chunk.token_ids)
+
+        busy = [asyncio.create_task(run(f"a{i}", "tenant-a", 600)) for i in range(2)]
+        while engine.running < 2:
+            await asyncio.sleep(0.001)
+        await run("b", "tenant-b", 3)
+        assert produced["b"] == 3
+        assert all(not task.done() for task in busy)  # b did not wait for the batch to drain
+        await asyncio.gather(*busy)
+        assert produced["a0"] == produced["a1"] == 600  # the retracted request resumed to its end
+    finally:
+        await engine.close()
+
+
+def test_fair_share_picks_and_victims() -> None:
+    @dataclass
+    class Req:
+        cache_salt: str
+        priority: int = 0
+
+    a, b = Req("a"), Req("b")
+    assert next_to_admit([a, a, b], [a]) == 2  # b runs nothing yet
+    assert next_to_admit([a, b], []) == 0  # oldest first among equals
+    assert preemption_victim([b], [a, a, a], 3) == 2  # the newest of the tenant over its share
+    assert preemption_victim([b], [a, a], 3) is None  # a free slot: no retraction
+    assert preemption_victim([a], [a, a, a], 3) is None  # alone, a tenant uses every slot
+    assert preemption_victim([Req("b", -1)], [a, a, a], 3) is None  # a rollout does not evict users
+    assert preemption_victim([b], [a, Req("c"), b], 3) is None  # b holds a slot already
