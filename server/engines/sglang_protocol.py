@@ -33,6 +33,14 @@ def sampling_to_json(sampling: SamplingParams) -> dict[str, Any]:
     return body
 
 
+def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A JSON boolean field; anything else (the string "false", 0, null) is refused, not coerced."""
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, not {value!r}")
+    return value
+
+
 def sampling_from_json(body: dict[str, Any], top_logprobs: int = 0) -> SamplingParams:
     """Parse ``sampling_params``; raises ValueError/TypeError with a readable message on bad input."""
     stop = body.get("stop") or ()
@@ -45,7 +53,7 @@ def sampling_from_json(body: dict[str, Any], top_logprobs: int = 0) -> SamplingP
         stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
         seed=None if body.get("sampling_seed") is None else int(body["sampling_seed"]),
         top_logprobs=top_logprobs,
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=flag(body, "ignore_eos"),
     )
 
 

@@ -30,7 +30,7 @@ from server.engines.base import DEFAULT_PRIORITY, EngineError, SamplingParams, T
 from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
 from server.engines.local.weights import WeightLoadError
-from server.engines.sglang_protocol import finish_to_json, sampling_from_json, spans_to_json
+from server.engines.sglang_protocol import finish_to_json, flag, sampling_from_json, spans_to_json
 from server.engines.tensor_ipc import TensorPayloadError, deserialize_named_tensors
 from server.weight_delta import DeltaError, OutOfOrderDelta, WeightDelta
 
@@ -106,6 +106,8 @@ def _parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParam
         raise ValueError("sampling_params must be an object")
     if int(params.get("n", 1)) != 1:
         raise ValueError("sampling_params.n must be 1; send one request per sample")
+    for name in ("stream", "return_logprob"):
+        flag(body, name)  # a 400 for "false" and the like, before it would read as true
     top = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0
     priority = body.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
@@ -137,7 +139,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
         except (ValueError, TypeError, orjson.JSONDecodeError) as exc:
             return _error(str(exc))
         rid = str(body.get("rid") or uuid.uuid4().hex)
-        result = _Result(rid, tokenizer, bool(body.get("return_logprob")), sampling.top_logprobs)
+        result = _Result(rid, tokenizer, flag(body, "return_logprob"), sampling.top_logprobs)
         # SGLang's routing key (what our gateway sends per session) keys the session prefix cache.
         session_key = body.get("routing_key") or request.headers.get("x-smg-routing-key") or body.get("session_id")
         # Higher goes first, as with SGLang's --enable-priority-scheduling; none means the default.
@@ -155,7 +157,7 @@ def create_engine_app(open_engine: Callable[[], Awaitable[LocalEngine]]) -> Fast
         except EngineError as exc:
             return _error(str(exc), exc.status)
         result.add(first)
-        if not body.get("stream"):
+        if not flag(body, "stream"):
             async for chunk in chunks:
                 result.add(chunk)
             return _json(result.to_json())

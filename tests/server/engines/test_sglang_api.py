@@ -12,6 +12,7 @@ import pytest
 from server.engines.base import EngineError, EngineUnavailable, SamplingParams
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_client import SGLangClient
+from server.engines.sglang_protocol import sampling_from_json
 from server.engines.sglang_server import create_engine_app
 from tests.server.engines.helpers import collect, greedy, greedy_reference, reference_logprobs
 from tests.support.uvicorn_thread import serve_in_thread
@@ -78,6 +79,10 @@ async def test_raw_generate_shapes_follow_sglang(engine_url: str) -> None:
         {"input_ids": [1], "sampling_params": {"temperature": -1}},
         {"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}},
         {"input_ids": [1], "logprob_start_len": 0},
+        # Strings are not booleans: "false" used to read as true.
+        {"input_ids": [1], "sampling_params": {"ignore_eos": "false"}},
+        {"input_ids": [1], "stream": "false"},
+        {"input_ids": [1], "return_logprob": "no"},
         [1, 2],
     ],
 )
@@ -135,3 +140,11 @@ async def test_a_cache_salt_keeps_a_session_prefix_to_its_own_namespace(client: 
     same = await collect(client, PROMPT, greedy(2), session_key="shared-id", cache_salt="tenant-a")
     assert other.cached_tokens == 0
     assert same.cached_tokens == len(PROMPT) - 1
+
+
+def test_boolean_sampling_fields_are_parsed_not_coerced() -> None:
+    assert sampling_from_json({"ignore_eos": False}).ignore_eos is False
+    assert sampling_from_json({"ignore_eos": True}).ignore_eos is True
+    assert sampling_from_json({}).ignore_eos is False
+    with pytest.raises(ValueError, match="ignore_eos must be true or false"):
+        sampling_from_json({"ignore_eos": "false"})
