@@ -18,8 +18,8 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from migrations.migrate import upgrade
 from storage import create_api_key, make_engine, make_session_factory
-from storage.migrate import upgrade
 from tandem.models import resolve_model
 from tandem.settings import Settings
 

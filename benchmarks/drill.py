@@ -78,7 +78,8 @@ def create_keys(tree: Path, database_url: str, tenants: tuple[str, ...]) -> dict
     """Tenant keys, made by the tree's own code (it also migrates the database to its schema)."""
     script = (
         "import sys, json\n"
-        "from storage.migrate import upgrade\n"
+        "try:\n    from migrations.migrate import upgrade\n"
+        "except ImportError:  # trees before the migration runner moved\n    from storage.migrate import upgrade\n"
         "from storage.api_keys import create_api_key\n"
         "from storage.db import make_engine, make_session_factory\n"
         "url = sys.argv[1]; upgrade(url)\n"

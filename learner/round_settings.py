@@ -14,7 +14,21 @@ from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from tandem.settings import Settings
 
-__all__ = ["eval_config", "round_config", "train_config"]
+__all__ = ["check_learner_settings", "eval_config", "round_config", "train_config"]
+
+
+def check_learner_settings(settings: Settings) -> None:
+    """Raise ValueError naming what in the learner settings cannot train (for commands at start-up)."""
+    train_config(settings)
+
+
+def megatron_config(settings: Settings) -> MegatronConfig:
+    """The megatron layout; ValueError names an invalid size or combination, or a custom loss it cannot run."""
+    config = MegatronConfig.from_dict(settings.learn_megatron)
+    refusal = config.custom_loss_refusal()
+    if settings.learn_backend == "megatron" and settings.learn_custom_loss_path and refusal:
+        raise ValueError(refusal)
+    return config
 
 
 def train_config(settings: Settings) -> TrainConfig:
@@ -27,7 +41,7 @@ def train_config(settings: Settings) -> TrainConfig:
         custom_loss_path=settings.learn_custom_loss_path,
         max_tokens_per_micro_batch=settings.learn_max_tokens_per_device,
         backend=settings.learn_backend,
-        megatron=MegatronConfig.from_dict(settings.learn_megatron),
+        megatron=megatron_config(settings),
     )
 
 

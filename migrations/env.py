@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from the Config that ``storage.migrate`` builds."""
+"""Alembic environment: the URL comes from the Config that ``migrations.migrate`` builds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ config = context.config
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
     if not url:
-        raise RuntimeError("no database URL: run migrations through storage.migrate or `tandem db upgrade`")
+        raise RuntimeError("no database URL: run migrations through migrations.migrate or `tandem db upgrade`")
     engine = make_engine(url)
     try:
         with engine.connect() as connection:

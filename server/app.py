@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from migrations.migrate import upgrade
 from server.auth import Authenticator, AuthPolicy
 from server.body_limit import BodyLimitMiddleware
 from server.chat_service import ChatService
@@ -25,10 +26,10 @@ from server.metrics import GatewayMetrics, MetricsMiddleware
 from server.rate_limits import ReleaseAdmissions, RequestLimiter, limiter_for
 from server.rollouts import RolloutService
 from server.routes import router
+from server.routes.deps import authenticate_first
 from server.weights import WeightService
 from storage.api_keys import count_active_api_keys
 from storage.db import make_engine, make_session_factory
-from storage.migrate import upgrade
 from storage.rate_limits import Limits
 from tandem.logging import RequestLogMiddleware
 from tandem.models import resolve_model
@@ -200,7 +201,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             yield
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, authenticate_first)
     app.include_router(router)
     app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi import FastAPI, Request
@@ -89,16 +90,23 @@ async def _api_error(_: Request, exc: ApiError) -> Response:
     return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    # Deferred import: the routes' dependencies import this module.
-    from server.routes.deps import authenticate_first
+Authenticate = Callable[[Request], Awaitable[None]]
+"""Raises the ApiError (401/403) a request's route would answer before looking at its input."""
 
-    try:
-        await authenticate_first(request)
-    except ApiError as error:
-        return await _api_error(request, error)
-    message, param = validation_message(exc)
-    return error_response(400, message, param=param, code="invalid_request")
+
+def _validation_error(
+    authenticate: Authenticate | None,
+) -> Callable[[Request, RequestValidationError], Awaitable[Response]]:
+    async def handle(request: Request, exc: RequestValidationError) -> Response:
+        if authenticate is not None:
+            try:
+                await authenticate(request)
+            except ApiError as error:
+                return await _api_error(request, error)
+        message, param = validation_message(exc)
+        return error_response(400, message, param=param, code="invalid_request")
+
+    return handle
 
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -132,9 +140,11 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
     return error_response(500, "The server had an internal error; it has been logged.")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, authenticate: Authenticate | None = None) -> None:
+    """OpenAI-shaped answers for every error; with ``authenticate``, a request that fails validation is
+    authenticated first, so a caller without a valid key learns nothing about the input (401, not 400)."""
     app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, _validation_error(authenticate))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(Exception, _unexpected)

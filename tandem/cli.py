@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 import uvicorn
 from fastapi import FastAPI
-from pydantic import ValidationError
 
 from tandem.commands.db import db_app
 from tandem.commands.engines import engines_app
@@ -69,21 +68,19 @@ def serve(
     """Serve the OpenAI-compatible API; upgrades the database schema first."""
     from admin.app import create_app  # the gateway with the admin API mounted
     from server.app import StartupError
+    from tandem.commands.load_settings import load_settings
     from tandem.worker_child import attach_worker_child, with_internal_key
 
-    try:
-        settings = Settings().with_overrides(
-            host=host,
-            port=port,
-            model=model,
-            database_url=database_url,
-            engine=engine or ("sglang" if engine_url or engine_config else None),
-            engine_urls=engine_url or None,
-            engine_config=engine_config,
-        )
-    except ValidationError as exc:
-        typer.secho(f"tandem serve: invalid settings: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from exc
+    settings = load_settings(
+        "serve",
+        host=host,
+        port=port,
+        model=model,
+        database_url=database_url,
+        engine=engine or ("sglang" if engine_url or engine_config else None),
+        engine_urls=engine_url or None,
+        engine_config=engine_config,
+    )
     configure_logging(settings.log_level, settings.log_format)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings = with_internal_key(settings)

@@ -5,20 +5,24 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from learner.megatron.config import MegatronConfig
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SGLANG_VERSION = "0.5.23"  # what scripts/setup_sglang.sh installs
 
 
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "tandem"
+
+
+def default_sglang_venv() -> Path:
+    return Path.home() / ".cache" / "tandem" / f"sglang-{SGLANG_VERSION}"
 
 
 class Settings(BaseSettings):
@@ -47,6 +51,8 @@ class Settings(BaseSettings):
     healthy_after: int = Field(2, ge=1, description="passed probes before an ejected replica takes traffic")
     engine_stall_timeout_s: float = Field(60.0, gt=0, description="silence from a replica that counts as failure")
     engine_start_timeout_s: float = Field(300.0, gt=0, description="how long serve waits for a first replica")
+    sglang_venv: Path = Field(default_factory=default_sglang_venv, description="where setup_sglang.sh installs SGLang")
+    sglang_python: str = Field("", description="interpreter of managed SGLang servers; default: the venv's")
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
@@ -181,19 +187,6 @@ class Settings(BaseSettings):
             raise ValueError("round_stale_timeout_s must exceed two round heartbeats (round_heartbeat_s)")
         return self
 
-    @field_validator("learn_megatron")
-    @classmethod
-    def _megatron_layout(cls, value: dict[str, Any]) -> dict[str, Any]:
-        MegatronConfig.from_dict(value)  # every invalid size or combination, named, at start-up
-        return value
-
-    @model_validator(mode="after")
-    def _custom_loss_fits_the_layout(self) -> Settings:
-        refusal = MegatronConfig.from_dict(self.learn_megatron).custom_loss_refusal()
-        if self.learn_backend == "megatron" and self.learn_custom_loss_path and refusal:
-            raise ValueError(refusal)
-        return self
-
     @field_validator("wandb_project")
     @classmethod
     def _wandb_installed(cls, value: str) -> str:
@@ -220,6 +213,14 @@ class Settings(BaseSettings):
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+    @property
+    def sglang_interpreter(self) -> str:
+        """What runs managed SGLang servers whose group names no python: the venv's when installed."""
+        if self.sglang_python:
+            return self.sglang_python
+        installed = self.sglang_venv / "bin" / "python"
+        return str(installed) if installed.exists() else sys.executable
 
     @property
     def journal_dir(self) -> Path:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from storage.migrate import upgrade
+from migrations.migrate import upgrade
 
 POSTGRES_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=5"
 

@@ -19,7 +19,7 @@ from learner.megatron.backend import MegatronPolicy, OptimizerSettings
 from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.runtime import parallel, world_rank
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_state_dict
-from learner.trainers.child import DEBUG_EXIT_CODE, TrainingRequest
+from learner.trainers.request import DEBUG_EXIT_CODE, TrainingRequest
 
 __all__ = ["train_megatron"]
 

@@ -11,7 +11,8 @@ from learner.trainers.checkpoint import (
     export_checkpoint,
     weights_sha256,
 )
-from learner.trainers.child import FailureKind, TrainingOutcome, TrainingRequest, run_training_child
+from learner.trainers.child import FailureKind, TrainingOutcome, run_training_child
+from learner.trainers.request import TrainingRequest
 from learner.trainers.torch_backend import (
     TrainConfig,
     TrainingDiverged,

@@ -16,125 +16,26 @@ which fails the run. The layout is checked against the model's config before any
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
-from learner.algorithms import PolicyLossConfig
 from learner.child_process import run_child, write_outcome
 from learner.megatron.config import check_model
-from learner.sample import Sample
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
-from learner.trainers.torch_backend import TrainConfig, TrainingDiverged, response_log_probs, train_step
+from learner.trainers.request import DEBUG_EXIT_CODE, TrainingRequest
+from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
 
-if TYPE_CHECKING:
-    # Imported where used: learner.evaluation's package pulls in the database layer, which the
-    # trainer (and the GPU benchmarks importing it) must not need.
-    from learner.evaluation.config import EvalMethod
+__all__ = ["FailureKind", "TrainingOutcome", "run_training_child"]
 
-__all__ = ["DebugFault", "FailureKind", "TrainingOutcome", "TrainingRequest", "run_training_child"]
-
-DebugFault = Literal["exit", "hang"]
 FailureKind = Literal["diverged", "error", "crashed", "timeout"]
-DEBUG_EXIT_CODE = 3
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingRequest:
-    """One training run: base checkpoint in, new checkpoint folder out.
-
-    ``debug_fault`` makes the child fail on purpose once the model is loaded, to test failure
-    handling end to end: ``"exit"`` ends it with ``os._exit(3)`` (a hard crash, like an OOM kill, with
-    no Python cleanup and no outcome), ``"hang"`` sleeps until the timeout. In a multi-process run
-    only the last rank does, leaving the others waiting in a collective.
-    """
-
-    base_model_dir: Path
-    out_dir: Path  # the checkpoint folder to create; must not exist
-    samples: tuple[Sample, ...]
-    config: TrainConfig = field(default_factory=TrainConfig)
-    num_steps: int = 1  # optimizer steps over the same samples (slime's --num-steps-per-rollout)
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    seed: int = 0
-    device: str = "cpu"
-    num_threads: int | None = None  # torch CPU threads in the child; None: torch's default
-    timeout_s: float = 3600.0
-    debug_fault: DebugFault | None = None
-    # One per sample, computed by the caller (e.g. reward minus a feedback baseline); None: from the rewards.
-    advantages: tuple[float, ...] | None = None
-    # The KL loss's reference policy (slime: the initial model); None: the base checkpoint itself.
-    reference_model_dir: Path | None = None
-    # Periodic evaluation of the in-training weights (0: none).
-    eval_every: int = 0
-    eval_set: tuple[Sample, ...] = ()
-    eval_method: EvalMethod = field(default_factory=lambda: _eval_method({}))
-
-    def __post_init__(self) -> None:
-        errors = []
-        if not self.samples:
-            errors.append("no samples to train on")
-        if self.advantages is not None and len(self.advantages) != len(self.samples):
-            errors.append(f"{len(self.advantages)} advantages for {len(self.samples)} samples")
-        if self.num_steps < 1:
-            errors.append(f"num_steps must be >= 1, got {self.num_steps}")
-        if not self.learning_rate > 0 or self.weight_decay < 0:
-            errors.append("learning_rate must be > 0 and weight_decay >= 0")
-        if self.num_threads is not None and self.num_threads < 1:
-            errors.append(f"num_threads must be >= 1, got {self.num_threads}")
-        if not self.timeout_s > 0:
-            errors.append(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.eval_every < 0 or (self.eval_every > 0 and not self.eval_set):
-            errors.append("eval_every must be >= 0, and > 0 only with an eval_set")
-        if self.debug_fault is not None and self.debug_fault not in get_args(DebugFault):
-            errors.append(f"debug_fault must be one of {get_args(DebugFault)}, got {self.debug_fault!r}")
-        if errors:
-            raise ValueError("invalid training request: " + "; ".join(errors))
-
-    def to_json(self) -> str:
-        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data.update(
-            base_model_dir=str(self.base_model_dir),
-            out_dir=str(self.out_dir),
-            reference_model_dir=None if self.reference_model_dir is None else str(self.reference_model_dir),
-            samples=[s.to_dict() for s in self.samples],
-            config=dataclasses.asdict(self.config),
-            eval_set=[s.to_dict() for s in self.eval_set],
-            eval_method=dataclasses.asdict(self.eval_method),
-        )
-        return json.dumps(data)
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainingRequest:
-        data = json.loads(text)
-        config = dict(data["config"])
-        config["loss"] = PolicyLossConfig(**config["loss"])
-        data.update(
-            base_model_dir=Path(data["base_model_dir"]),
-            out_dir=Path(data["out_dir"]),
-            reference_model_dir=None if data.get("reference_model_dir") is None else Path(data["reference_model_dir"]),
-            samples=tuple(Sample.from_dict(s) for s in data["samples"]),
-            config=TrainConfig(**config),
-            advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
-            eval_set=tuple(Sample.from_dict(s) for s in data.get("eval_set", ())),
-            eval_method=_eval_method(data.get("eval_method", {})),
-        )
-        return cls(**data)
-
-
-def _eval_method(fields: dict[str, Any]) -> EvalMethod:
-    from learner.evaluation.config import EvalMethod
-
-    return EvalMethod(**fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,9 @@ async def _open_pool(settings: Settings) -> EnginePool:
     supervisor = None
     if settings.engine_config is not None:
         config = load_launch_config(settings.engine_config)
-        router = router_launch(config)
-        supervisor = Supervisor([*plan(config), *([router] if router else [])], settings.data_dir / "engines")
+        python = settings.sglang_interpreter
+        router = router_launch(config, python=python)
+        supervisor = Supervisor([*plan(config, python=python), *([router] if router else [])], settings.data_dir / "engines")
         await supervisor.start()
         urls += serving_urls(config)
     if not urls:

@@ -6,11 +6,9 @@ results; the gateway routes over ``serving_urls``. Config models are in launch_c
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from server.engines.launch_config import GroupConfig, LaunchConfig, LaunchConfigError, cpu_server_args
@@ -25,7 +23,6 @@ __all__ = [
     "plan",
     "router_launch",
     "serving_urls",
-    "sglang_venv",
 ]
 
 
@@ -41,10 +38,11 @@ class ServerLaunch:
     role: Literal["regular", "prefill", "decode", "router"] = "regular"
 
 
-def plan(config: LaunchConfig) -> list[ServerLaunch]:
+def plan(config: LaunchConfig, *, python: str) -> list[ServerLaunch]:
     """Every server of every group, in file order; GPUs are handed out in that same order.
 
     ``config`` must have passed validation (``load_launch_config``), which checks that the GPUs fit.
+    ``python`` runs the servers of groups that name no interpreter (``Settings.sglang_interpreter``).
     """
     launches = []
     next_gpu = 0
@@ -52,16 +50,16 @@ def plan(config: LaunchConfig) -> list[ServerLaunch]:
         for index in range(group.replicas):
             gpus = range(next_gpu, next_gpu + group.gpus_needed) if group.device == "cuda" else range(0)
             next_gpu += len(gpus)
-            launches.append(_server_launch(group, index, gpus))
+            launches.append(_server_launch(group, index, gpus, python))
     return launches
 
 
-def router_launch(config: LaunchConfig) -> ServerLaunch | None:
+def router_launch(config: LaunchConfig, *, python: str) -> ServerLaunch | None:
     """The PD-disaggregation router over all prefill and decode servers; None when nothing is split."""
     router = config.router
     if router is None or not config.disaggregated:
         return None
-    argv = [_python(router.python), "-m", f"{router.package}.launch_router", "--pd-disaggregation"]
+    argv = [router.python or python, "-m", f"{router.package}.launch_router", "--pd-disaggregation"]
     for group in config.groups:
         for index in range(group.replicas):
             url = _url(group.host, group.port(index))
@@ -76,37 +74,21 @@ def router_launch(config: LaunchConfig) -> ServerLaunch | None:
 
 def serving_urls(config: LaunchConfig) -> list[str]:
     """What the gateway routes over: the router alone when disaggregated, else every server."""
-    router = router_launch(config)
-    return [router.url] if router is not None else [server.url for server in plan(config)]
+    if config.router is not None and config.disaggregated:
+        return [_url(config.router.host, config.router.port)]
+    return [_url(group.host, group.port(index)) for group in config.groups for index in range(group.replicas)]
 
 
-def _server_launch(group: GroupConfig, index: int, gpus: Sequence[int]) -> ServerLaunch:
+def _server_launch(group: GroupConfig, index: int, gpus: Sequence[int], python: str) -> ServerLaunch:
     port = group.port(index)
     if group.engine == "tandem":
         argv, env = _tandem_argv(group, port), _tandem_env(group)
     else:
-        argv, env = _sglang_argv(group, index, port), _sglang_env(group)
+        argv, env = _sglang_argv(group, index, port, group.python or python), _sglang_env(group)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     env |= group.env  # the operator's variables win (CUDA_VISIBLE_DEVICES is rejected by validation)
     return ServerLaunch(group.name, index, _url(group.host, port), tuple(argv), env, group.role)
-
-
-SGLANG_VERSION = "0.5.23"
-
-
-def sglang_venv() -> Path:
-    """Where scripts/setup_sglang.sh installs SGLang (``TANDEM_SGLANG_VENV`` moves it)."""
-    default = Path.home() / ".cache" / "tandem" / f"sglang-{SGLANG_VERSION}"
-    return Path(os.environ.get("TANDEM_SGLANG_VENV") or default)
-
-
-def _python(configured: str | None) -> str:
-    # SGLang and the router live in their own venv (11 GB, their own torch), not tandem's.
-    if configured or os.environ.get("TANDEM_SGLANG_PYTHON"):
-        return configured or os.environ["TANDEM_SGLANG_PYTHON"]
-    installed = sglang_venv() / "bin" / "python"
-    return str(installed) if installed.exists() else sys.executable
 
 
 def _url(host: str, port: int) -> str:
@@ -140,8 +122,8 @@ def _sglang_env(group: GroupConfig) -> dict[str, str]:
     return dict(cpu_environment({}))
 
 
-def _sglang_argv(group: GroupConfig, index: int, port: int) -> list[str]:
-    argv = [_python(group.python), "-m", "sglang.launch_server", "--model-path", group.model_path]
+def _sglang_argv(group: GroupConfig, index: int, port: int, python: str) -> list[str]:
+    argv = [python, "-m", "sglang.launch_server", "--model-path", group.model_path]
     argv += ["--host", group.host, "--port", str(port), "--tp-size", str(group.tp_size)]
     argv += _option("--dp-size", group.dp_size)
     tuning = [

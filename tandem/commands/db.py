@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from sqlalchemy.engine import make_url
 
-from storage.migrate import current_revision, downgrade, upgrade
+from migrations.migrate import current_revision, downgrade, upgrade
 from tandem.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True)

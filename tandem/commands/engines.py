@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from server.engines.launch_plan import LaunchConfigError, ServerLaunch, load_launch_config, plan, router_launch
+from tandem.settings import Settings
 
 engines_app = typer.Typer(no_args_is_help=True)
 
@@ -31,8 +32,9 @@ def plan_command(
     except LaunchConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
-    launches = plan(launch_config)
-    router = router_launch(launch_config)
+    python = Settings().sglang_interpreter
+    launches = plan(launch_config, python=python)
+    router = router_launch(launch_config, python=python)
     for launch in [*launches, *([router] if router else [])]:
         typer.echo(f"# {_title(launch)}")
         typer.echo(shell_command(launch))

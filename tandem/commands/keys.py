@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from migrations.migrate import current_revision, head_revision
 from storage.api_keys import create_api_key, list_api_keys, revoke_api_key
 from storage.db import make_engine, make_session_factory
-from storage.migrate import current_revision, head_revision
 from tandem.commands.db import DatabaseUrl, resolve_database_url
 
 keys_app = typer.Typer(no_args_is_help=True)

@@ -7,12 +7,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from learner.plugins import PluginError
 from tandem.commands.db import DatabaseUrl, resolve_database_url
-from tandem.settings import Settings
 
 console = Console()
 errors = Console(stderr=True)
@@ -74,6 +72,7 @@ def learn_command(
     """
     from learner.round import RoundError, run_round
     from learner.round_settings import round_config
+    from tandem.commands.load_settings import load_settings
 
     overrides = {
         "database_url": database_url,
@@ -86,11 +85,7 @@ def learn_command(
         "learn_samples_per_prompt": samples_per_prompt,
         "learn_save_batch_dir": save_batch,
     }
-    try:
-        settings = Settings().with_overrides(**overrides)
-    except ValidationError as exc:
-        errors.print(f"[red]tandem learn: {exc}[/red]")
-        raise typer.Exit(code=2) from exc
+    settings = load_settings("learn", **overrides)
     if settings.admin_key is None:
         errors.print("[red]set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
         raise typer.Exit(code=2)

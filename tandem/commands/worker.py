@@ -86,8 +86,9 @@ def _learner_app(command: str, server: str | None, log_level: str | None) -> tup
     from kombu.exceptions import OperationalError
 
     from learner.celery_app import broker_urls, create_celery_app
+    from tandem.commands.load_settings import load_settings
 
-    settings = Settings().with_overrides(log_level=log_level.upper() if log_level else None)
+    settings = load_settings(command, log_level=log_level.upper() if log_level else None)
     # A receiver on setup_logging keeps Celery from installing its own handlers over ours.
     setup_logging.connect(lambda **_: _configure_worker_logging(settings), weak=False)
     _configure_worker_logging(settings)

@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from learner.beat import DEFAULT_SCHEDULE, DatabaseScheduler, ensure_default_schedule
 from learner.celery_app import create_celery_app
+from migrations.migrate import upgrade
 from storage.audit import list_admin_actions
 from storage.db import make_engine, make_session_factory
-from storage.migrate import upgrade
 from storage.schedules import ScheduleView, create_schedule, list_firings, update_schedule
 from storage.times import from_unix, utcnow
 from tandem.settings import Settings

@@ -17,9 +17,9 @@ from openai import OpenAI
 from sqlalchemy.orm import Session, sessionmaker
 
 from admin.app import create_app  # the gateway as `tandem serve` builds it, admin API included
+from migrations.migrate import upgrade
 from storage.api_keys import create_api_key
 from storage.db import make_engine, make_session_factory
-from storage.migrate import upgrade
 from tandem.settings import Settings
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.support.uvicorn_thread import serve_in_thread

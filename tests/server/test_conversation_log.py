@@ -58,7 +58,7 @@ async def test_records_land_with_exact_tokens(log: ConversationLog, database_url
 
 
 async def test_fsync_always_and_segment_rotation(sqlite_url: str, tmp_path: Path) -> None:
-    from storage.migrate import upgrade
+    from migrations.migrate import upgrade
 
     upgrade(sqlite_url)
     journal = tmp_path / "journal"
@@ -77,7 +77,7 @@ async def test_fsync_always_and_segment_rotation(sqlite_url: str, tmp_path: Path
 async def test_replay_after_restart_and_torn_line(
     sqlite_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from storage.migrate import upgrade
+    from migrations.migrate import upgrade
 
     journal = tmp_path / "journal"
     tenant = new_tenant()

@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
+from migrations.migrate import upgrade
 from server.conversation_log import ConversationLog
 from storage.db import make_engine, make_session_factory
-from storage.migrate import upgrade
 from storage.models import Completion
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.storage.factories import completion, new_tenant

@@ -17,14 +17,15 @@ from typing import NoReturn
 
 import pytest
 
-from server.engines.launch_plan import load_launch_config, serving_urls, sglang_venv
+from server.engines.launch_plan import load_launch_config, serving_urls
+from tandem.settings import Settings
 from tests.conftest import _in_ci
 from tests.server.conftest import Gateway, gateway_settings, perturbed_model, run_gateway, tiny_model
 from tests.support.uvicorn_thread import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup_sglang.sh"
-SGLANG_VENV = sglang_venv()
+SGLANG_VENV = Settings().sglang_venv
 INSTALL_TIMEOUT_S = 1800
 START_TIMEOUT_S = 240
 # float32, like the local engine and the transformers reference: the tiny random model's logits are

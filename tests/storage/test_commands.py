@@ -7,9 +7,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from migrations.migrate import current_revision, head_revision
 from storage.api_keys import lookup_api_key
 from storage.db import make_engine, make_session_factory
-from storage.migrate import current_revision, head_revision
 from tandem.commands.db import db_app
 from tandem.commands.keys import keys_app
 from tests.storage.factories import new_tenant

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from learner.collect import feedback_samples
 from learner.sample import SampleStatus
+from migrations.migrate import upgrade
 from storage import (
     FeedbackBatch,
     LearningStateError,
@@ -35,7 +36,6 @@ from storage import (
 )
 from storage.conversation_writes import write_records
 from storage.db import make_engine, make_session_factory
-from storage.migrate import upgrade
 from storage.models import ModelVersion
 from storage.records import CompletionRecord, FeedbackRecord
 from storage.times import utcnow

@@ -5,8 +5,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
+from migrations.migrate import current_revision, downgrade, upgrade
 from storage.db import make_engine
-from storage.migrate import current_revision, downgrade, upgrade
 from storage.models import Base
 
 

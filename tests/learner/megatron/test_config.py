@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from pydantic import ValidationError
+import typer
 from transformers import DeepseekV3Config, Qwen2Config, Qwen3MoeConfig
 
 from learner.megatron.config import MegatronConfig, check_model
+from learner.round_settings import check_learner_settings
 from learner.trainers import TrainConfig
+from tandem.commands.load_settings import load_settings
 from tandem.settings import Settings
 
 
@@ -127,16 +129,18 @@ def test_the_layout_must_fit_the_model() -> None:
     check_model(MegatronConfig(devices=2, tensor_parallel=2), mla)
 
 
-def test_settings_refuse_an_invalid_layout_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_commands_refuse_an_invalid_layout_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_LEARN_BACKEND", "megatron")
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"devices": 2, "tensor_parallel": 2, "recompute": "full"}')
-    settings = Settings()
+    settings = load_settings("test")
     assert settings.learn_backend == "megatron" and settings.learn_megatron["tensor_parallel"] == 2
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"sequence_parallel": true}')
-    with pytest.raises(ValidationError, match="sequence_parallel needs tensor_parallel > 1"):
-        Settings()
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        check_learner_settings(Settings())
+    with pytest.raises(typer.Exit):
+        load_settings("test")
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"devices": 2, "context_parallel": 2}')
-    assert Settings().learn_megatron["context_parallel"] == 2
+    assert load_settings("test").learn_megatron["context_parallel"] == 2
     monkeypatch.setenv("TANDEM_LEARN_CUSTOM_LOSS_PATH", "tests.learner.plugins_examples:loss_vanilla_policy_gradient")
-    with pytest.raises(ValidationError, match="cannot run with context_parallel > 1"):
-        Settings()
+    with pytest.raises(ValueError, match="cannot run with context_parallel > 1"):
+        check_learner_settings(Settings())

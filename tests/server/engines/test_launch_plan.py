@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from server.engines import launch_plan
 from server.engines.launch_config import ROUTER_FLAGS, SGLANG_FLAGS, TANDEM_FLAGS
 from server.engines.launch_plan import (
     LaunchConfig,
@@ -16,20 +17,22 @@ from server.engines.launch_plan import (
     ServerLaunch,
     load_launch_config,
     parse_launch_config,
-    plan,
-    router_launch,
     serving_urls,
 )
 from tandem.commands.engines import engines_app
+from tandem.settings import Settings
 
 SGLANG_PY = "/opt/sglang/bin/python"
 REPO = Path(__file__).resolve().parents[3]
 SERVER = [SGLANG_PY, "-m", "sglang.launch_server"]
 
 
-@pytest.fixture(autouse=True)
-def sglang_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TANDEM_SGLANG_PYTHON", SGLANG_PY)
+def plan(config: LaunchConfig, python: str = SGLANG_PY) -> list[ServerLaunch]:
+    return launch_plan.plan(config, python=python)
+
+
+def router_launch(config: LaunchConfig) -> ServerLaunch | None:
+    return launch_plan.router_launch(config, python=SGLANG_PY)
 
 
 def group(name: str = "g", **fields: Any) -> dict[str, Any]:
@@ -232,12 +235,14 @@ def test_url_of_wildcard_and_ipv6_hosts(host: str, url: str) -> None:
 def test_python_explicit_env_installed_venv_and_fallback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert argv(one(python="/venvs/sgl/bin/python"))[0] == "/venvs/sgl/bin/python"
     assert argv(one())[0] == SGLANG_PY
+    monkeypatch.setenv("TANDEM_SGLANG_PYTHON", "/opt/other/python")
+    assert Settings().sglang_interpreter == "/opt/other/python"
     monkeypatch.delenv("TANDEM_SGLANG_PYTHON")
     monkeypatch.setenv("TANDEM_SGLANG_VENV", str(tmp_path / "sglang"))
-    assert argv(one())[0] == sys.executable  # nothing installed there
+    assert Settings().sglang_interpreter == sys.executable  # nothing installed there
     (tmp_path / "sglang" / "bin").mkdir(parents=True)
     (tmp_path / "sglang" / "bin" / "python").touch()
-    assert argv(one())[0] == str(tmp_path / "sglang" / "bin" / "python")  # what scripts/setup_sglang.sh made
+    assert Settings().sglang_interpreter == str(tmp_path / "sglang" / "bin" / "python")  # what setup_sglang.sh made
 
 
 def test_env_is_added_after_gpu_assignment() -> None:
@@ -642,7 +647,8 @@ def test_every_builder_flag_is_protected_from_extra_args() -> None:
 # --- the CLI --------------------------------------------------------------------------------------------
 
 
-def test_cli_plan_prints_commands(tmp_path: Path) -> None:
+def test_cli_plan_prints_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_SGLANG_PYTHON", SGLANG_PY)  # the settings name the interpreter
     path = tmp_path / "groups.toml"
     path.write_text('gpus = 1\n[[groups]]\nname = "g"\nmodel_path = "/models/my model"\nenv = { A = "x y" }\n')
     result = CliRunner().invoke(engines_app, ["plan", str(path), "--no-check-paths"])

@@ -9,13 +9,12 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-import migrations
 from storage.db import make_engine
 
 
 def alembic_config(database_url: str | None = None) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("script_location", str(Path(__file__).parent))
     if database_url is not None:
         # Config values go through ConfigParser interpolation; a password may contain '%'.
         config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
