@@ -12,4 +12,5 @@ serve: setup
 
 test: setup sglang-env
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 	.venv/bin/pytest -q

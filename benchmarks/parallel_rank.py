@@ -21,8 +21,8 @@ from benchmarks.random_model import SHAPES
 from benchmarks.train_throughput import make_samples, timed_steps
 from learner.child_process import write_outcome
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
-from learner.megatron.config import MegatronConfig
 from learner.megatron.runtime import parallel
+from learner.megatron_config import MegatronConfig
 from learner.trainers.train_config import TrainConfig
 
 

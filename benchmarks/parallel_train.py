@@ -34,7 +34,7 @@ import torch
 from benchmarks.random_model import SHAPES
 from benchmarks.train_throughput import DTYPES, build_checkpoint
 from learner.child_process import run_child
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 
 _LAYOUT = re.compile(r"^(?:(tp|pp|dp)(\d+))+$")
 _SIZE = re.compile(r"(tp|pp|dp)(\d+)")

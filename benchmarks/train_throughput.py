@@ -129,8 +129,8 @@ def megatron_backend(
     folder: Path, samples: list[Sample], config: TrainConfig, args: argparse.Namespace
 ) -> dict[str, float]:
     from learner.megatron.backend import MegatronPolicy, OptimizerSettings
-    from learner.megatron.config import MegatronConfig
     from learner.megatron.runtime import parallel
+    from learner.megatron_config import MegatronConfig
 
     layout = MegatronConfig(bf16=args.dtype == "bf16")
     with parallel(layout):

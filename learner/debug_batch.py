@@ -29,7 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from learner.trainers import TrainingOutcome, TrainingRequest, run_training_child, weights_sha256
+from learner.trainers import weights_sha256
+from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 
 __all__ = ["BatchError", "load_batch", "read_manifest", "replay_batch", "save_batch"]
 

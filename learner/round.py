@@ -52,7 +52,8 @@ from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
 from learner.round_metrics import write_round_metrics, write_step_metrics
 from learner.sample import Sample
 from learner.server_api import ServerApi
-from learner.trainers import TrainingRequest, run_training_child, weights_sha256
+from learner.trainers import weights_sha256
+from learner.training import TrainingRequest, run_training_child
 from storage import (
     RoundBusyError,
     collect_feedback,

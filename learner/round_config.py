@@ -19,7 +19,7 @@ from learner.rewards import FeedbackRewardMapping
 from learner.rollout import RolloutConfig
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
-from learner.trainers.request import DebugFault
+from learner.training_request import DebugFault
 
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 

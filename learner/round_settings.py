@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal
 
 from learner.evaluation import EvalConfig, EvalMethod
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
 from learner.round_config import default_train_config

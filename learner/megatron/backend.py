@@ -50,7 +50,6 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
-from learner.megatron.config import MegatronConfig, check_model
 from learner.megatron.context_parallel import RowSplit, split_row
 from learner.megatron.cpu_compat import cuda_as_cpu, on_cpu
 from learner.megatron.model import build_model
@@ -60,6 +59,7 @@ from learner.megatron.torch_kernels import (
     use_fused_adamw,
 )
 from learner.megatron.weights import gather_hf_weights, load_hf_weights
+from learner.megatron_config import MegatronConfig, check_model
 from learner.sample import Sample
 from learner.to_device import to_device
 from learner.trainers.step_loss import (

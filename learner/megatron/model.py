@@ -34,11 +34,11 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from transformers import PretrainedConfig
 
 from learner.megatron import deepseek
-from learner.megatron.config import MegatronConfig
 from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.hf_convert import UnsupportedModel, family_of, moe_layer_pattern, num_experts
 from learner.megatron.rope import install_rope
 from learner.megatron.sdpa_attention import SDPAttention
+from learner.megatron_config import MegatronConfig
 
 __all__ = ["AttentionKind", "UnsupportedModel", "build_model", "transformer_config"]
 

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from learner.child_process import RENDEZVOUS_ENV
-from learner.megatron.config import MegatronConfig
 from learner.megatron.cpu_compat import apply_cpu_patches, on_cpu, patch_missing_te
+from learner.megatron_config import MegatronConfig
 
 __all__ = ["parallel", "world_rank"]
 

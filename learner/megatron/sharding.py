@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 
 __all__ = ["RankPosition", "merge", "shard"]
 

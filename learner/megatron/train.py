@@ -1,4 +1,4 @@
-"""A ``TrainingRequest`` run on the Megatron backend, inside the training child (``learner.trainers.child``).
+"""A ``TrainingRequest`` run on the Megatron backend, inside the training child (``learner.training.child``).
 
 The same contract as the torch backend's run: load the base checkpoint, optionally the KL reference,
 take ``num_steps`` optimizer steps over the request's samples (PPO's old log-probs computed once
@@ -19,7 +19,7 @@ from learner.megatron.backend import MegatronPolicy, OptimizerSettings
 from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.runtime import parallel, world_rank
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_state_dict
-from learner.trainers.request import DEBUG_EXIT_CODE, TrainingRequest
+from learner.training_request import DEBUG_EXIT_CODE, TrainingRequest
 
 __all__ = ["train_megatron"]
 

@@ -15,9 +15,9 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import num_experts, to_hf, to_megatron
 from learner.megatron.sharding import RankPosition, merge, shard
+from learner.megatron_config import MegatronConfig
 
 __all__ = ["gather_hf_weights", "load_hf_weights", "read_hf_weights"]
 

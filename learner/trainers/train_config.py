@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from learner.algorithms import PolicyLossConfig
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 from learner.plugins import HookKind, load_plugin
 
 __all__ = ["AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from learner.algorithms import PolicyLossConfig
 from learner.debug_batch import BatchError, load_batch, read_manifest, replay_batch, save_batch
 from learner.sample import Sample
-from learner.trainers import TrainConfig, TrainingOutcome, TrainingRequest, response_log_probs, run_training_child
+from learner.trainers import TrainConfig, response_log_probs
+from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from server.engines.local.weights import read_state_dict
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path

@@ -10,7 +10,7 @@ from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_b
 from learner.rewards import FeedbackRewardMapping
 from learner.round import RoundConfig
 from learner.sample import Sample
-from learner.trainers import TrainingRequest
+from learner.training import TrainingRequest
 
 
 def rated(group: int, rating: str | None, score: float | None = None) -> Sample:

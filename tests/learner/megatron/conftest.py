@@ -19,7 +19,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 
 COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 # DeepSeek-V3: multi-latent attention (query and key/value latents), 12 routed experts in 3 groups of

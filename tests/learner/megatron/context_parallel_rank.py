@@ -22,9 +22,9 @@ import torch.distributed as dist
 from learner.algorithms import PolicyLossConfig
 from learner.child_process import write_outcome
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
-from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import to_hf
 from learner.megatron.runtime import parallel
+from learner.megatron_config import MegatronConfig
 from learner.trainers import TrainConfig
 from tests.learner.trainers.conftest import random_samples
 

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learner.algorithms import PolicyLossConfig
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
-from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import to_hf
 from learner.megatron.runtime import parallel
+from learner.megatron_config import MegatronConfig
 from learner.trainers import TrainConfig, TrainingDiverged, compute_advantages, train_step
 from learner.trainers.checkpoint import checkpoint_dtype, export_state_dict
 from tests.fixtures.tiny_model import tiny_model_path

@@ -8,7 +8,7 @@ import pytest
 import typer
 from transformers import DeepseekV3Config, Qwen2Config, Qwen3MoeConfig
 
-from learner.megatron.config import MegatronConfig, check_model
+from learner.megatron_config import MegatronConfig, check_model
 from learner.round_settings import check_learner_settings
 from learner.trainers import TrainConfig
 from tandem.commands.load_settings import load_settings

@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 
 from learner.child_process import run_child
 from learner.megatron import sdpa_attention
-from learner.megatron.config import MegatronConfig
 from learner.megatron.context_parallel import held_positions, split_row
 from learner.megatron.sdpa_attention import SDPAttention
+from learner.megatron_config import MegatronConfig
 from tests.learner.megatron.conftest import FAMILIES, MOE, random_hf, saved_state
 
 LENGTHS = (7, 13, 4, 1, 30)  # odd, unequal, one shorter than 2 * cp

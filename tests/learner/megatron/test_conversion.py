@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
-from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import UnsupportedModel, to_hf, to_megatron
 from learner.megatron.model import build_model, transformer_config
 from learner.megatron.runtime import parallel
 from learner.megatron.weights import gather_hf_weights, load_hf_weights
+from learner.megatron_config import MegatronConfig
 from learner.trainers.checkpoint import export_state_dict
 from tests.learner.megatron.conftest import FAMILIES, MOE, random_hf, saved_state
 

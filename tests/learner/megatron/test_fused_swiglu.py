@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from learner.megatron.config import MegatronConfig
 from learner.megatron.model import build_model
 from learner.megatron.weights import load_hf_weights
+from learner.megatron_config import MegatronConfig
 from tests.learner.megatron.conftest import FAMILIES, random_hf, saved_state
 
 

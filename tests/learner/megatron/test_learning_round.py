@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.algorithms import PolicyLossConfig
-from learner.megatron.config import MegatronConfig
+from learner.megatron_config import MegatronConfig
 from learner.round import run_round
 from learner.trainers import TrainConfig
 from storage import get_version

@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from learner.algorithms import PolicyLossConfig
-from learner.megatron.config import MegatronConfig
-from learner.trainers import TrainConfig, TrainingOutcome, TrainingRequest, run_training_child
+from learner.megatron_config import MegatronConfig
+from learner.trainers import TrainConfig
+from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.learner.trainers.conftest import random_samples
 

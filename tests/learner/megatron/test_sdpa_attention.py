@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from learner.megatron.config import MegatronConfig
 from learner.megatron.model import build_model
 from learner.megatron.sdpa_attention import SDPAttention
 from learner.megatron.weights import load_hf_weights
+from learner.megatron_config import MegatronConfig
 from tests.learner.megatron.conftest import FAMILIES, random_hf, saved_state
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.megatron.config import MegatronConfig
 from learner.megatron.hf_convert import num_experts, to_megatron
 from learner.megatron.sharding import RankPosition, merge, shard
+from learner.megatron_config import MegatronConfig
 from tests.learner.megatron.conftest import MOE, random_hf, saved_state
 
 

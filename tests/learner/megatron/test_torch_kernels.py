@@ -10,7 +10,6 @@ import torch
 from megatron.core.optimizer import clip_grads, optimizer
 
 from learner.megatron.backend import MegatronPolicy, OptimizerSettings
-from learner.megatron.config import MegatronConfig
 from learner.megatron.runtime import parallel
 from learner.megatron.torch_kernels import (
     fuse_weight_gradient_accumulation,
@@ -18,6 +17,7 @@ from learner.megatron.torch_kernels import (
     multi_tensor_l2_norm,
     multi_tensor_scale,
 )
+from learner.megatron_config import MegatronConfig
 from learner.trainers import TrainConfig
 from tests.learner.megatron.conftest import FAMILIES, random_hf, saved_state
 from tests.learner.trainers.conftest import random_samples

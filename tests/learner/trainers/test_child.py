@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.trainers import TrainingOutcome, TrainingRequest, run_training_child, weights_sha256
+from learner.trainers import weights_sha256
+from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from server.engines.local.weights import read_state_dict
 from tests.learner.trainers.conftest import random_samples
 

@@ -1,5 +1,5 @@
 """What the training child is asked to do: ``TrainingRequest``, shared by the torch and megatron
-paths of ``learner.trainers.child`` (kept apart so neither backend imports the other's entry point)."""
+paths of ``learner.training.child`` (kept apart so neither backend imports the other's entry point)."""
 
 from __future__ import annotations
 

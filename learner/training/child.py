@@ -1,6 +1,6 @@
 """Training in a child process: a crash, OOM kill, hang or NaN there fails the run and nothing else.
 
-The parent runs ``python -m learner.trainers.child REQUEST`` (``learner.child_process``); the child
+The parent runs ``python -m learner.training.child REQUEST`` (``learner.child_process``); the child
 loads the base checkpoint, trains, exports and writes its ``TrainingOutcome``. Serving state is never
 touched from here: the checkpoint is a new folder the caller may roll out.
 
@@ -28,10 +28,10 @@ from typing import Any, Literal
 import torch
 
 from learner.child_process import run_child, write_outcome
-from learner.megatron.config import check_model
+from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
-from learner.trainers.request import DEBUG_EXIT_CODE, TrainingRequest
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
+from learner.training_request import DEBUG_EXIT_CODE, TrainingRequest
 
 __all__ = ["FailureKind", "TrainingOutcome", "run_training_child"]
 
@@ -96,7 +96,7 @@ def run_training_child(request: TrainingRequest) -> TrainingOutcome:
             return TrainingOutcome("failed", error=misfit, failure="error")
         processes = request.config.megatron.devices
     run = run_child(
-        "learner.trainers.child", request.to_json(), timeout_s=request.timeout_s, what="training", processes=processes
+        "learner.training.child", request.to_json(), timeout_s=request.timeout_s, what="training", processes=processes
     )
     if run.outcome is None:
         return TrainingOutcome("failed", error=run.error, failure=run.failure)
@@ -197,7 +197,7 @@ def _train(
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        sys.stderr.write("usage: python -m learner.trainers.child REQUEST.json\n")
+        sys.stderr.write("usage: python -m learner.training.child REQUEST.json\n")
         return 2
     request_path = Path(argv[1])
     request = TrainingRequest.from_json(request_path.read_text())

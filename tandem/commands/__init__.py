@@ -1,0 +1,1 @@
+"""The `tandem` subcommands (tandem/cli.py wires them)."""
