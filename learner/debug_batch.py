@@ -8,7 +8,7 @@ thread count it writes the same checkpoint, bit for bit (slime's ``--save-debug-
 ``--load-debug-rollout-data``).
 
     batch_dir/
-        request.json    the request, without ``out_dir`` (chosen at replay) and ``debug_fault``
+        request.json    the request, without ``out_dir`` (chosen at replay)
         manifest.json   format, payload sha256 and size, base checkpoint and its weights' sha256, info
 
 A folder is written under a hidden name and renamed when whole, so a crash never leaves half a batch
@@ -41,7 +41,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 PAYLOAD = "request.json"
 # Not part of the batch: the replay picks its own output folder, and a fault is a test hook.
-_NOT_SAVED = ("out_dir", "debug_fault")
+_NOT_SAVED = ("out_dir",)
 # Manifest fields that repeat the payload for people reading it; they must agree with it.
 _SUMMARY = ("base_model_dir", "samples", "num_steps", "learning_rate")
 

@@ -357,7 +357,6 @@ class _Round:
             learning_rate=config.learning_rate,
             num_threads=config.num_threads,
             timeout_s=config.train_timeout_s,
-            debug_fault=config.debug_fault,
             advantages=tuple(advantages),
             reference_model_dir=self.root_dir,
             eval_every=every if eval_set else 0,

@@ -19,7 +19,6 @@ from learner.rewards import FeedbackRewardMapping
 from learner.rollout import RolloutConfig
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
-from learner.training_request import DebugFault
 
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
@@ -110,7 +109,6 @@ class RoundConfig:
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     trigger: str = "manual"  # what started the round ("manual", "schedule", ...), stored on its row
     schedule_id: str | None = None  # the training schedule that fired it, stored on its row
-    debug_fault: DebugFault | None = None  # the training child's, to test failure handling
 
     def __post_init__(self) -> None:
         errors = []

@@ -24,7 +24,7 @@ __all__ = ["ROUND_SETTINGS", "RoundSettingsError", "check_round_settings", "with
 PREFIX = "learn_"
 # When rounds run (the default schedule's knobs, beat's tick), the worker machine's threads, and a
 # fault injection for tests: not a round's settings.
-NOT_ROUND_SETTINGS = frozenset({"check_interval_s", "min_feedback", "min_interval_s", "threads", "debug_fault"})
+NOT_ROUND_SETTINGS = frozenset({"check_interval_s", "min_feedback", "min_interval_s", "threads"})
 ROUND_SETTINGS = tuple(
     sorted(
         name.removeprefix(PREFIX)

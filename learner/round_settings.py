@@ -83,7 +83,6 @@ def round_config(
         train_timeout_s=settings.learn_train_timeout_s,
         heartbeat_s=settings.round_heartbeat_s,
         trigger=trigger,
-        debug_fault=settings.learn_debug_fault,
         reward=settings.learn_reward,
         reward_path=settings.learn_reward_path,
         baseline=settings.learn_baseline,

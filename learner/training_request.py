@@ -7,7 +7,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 from learner.algorithms import PolicyLossConfig
 from learner.sample import Sample
@@ -18,21 +18,12 @@ if TYPE_CHECKING:
     # trainer (and the GPU benchmarks importing it) must not need.
     from learner.evaluation.config import EvalMethod
 
-__all__ = ["DEBUG_EXIT_CODE", "DebugFault", "TrainingRequest"]
-
-DebugFault = Literal["exit", "hang"]
-DEBUG_EXIT_CODE = 3
+__all__ = ["TrainingRequest"]
 
 
 @dataclass(frozen=True, slots=True)
 class TrainingRequest:
-    """One training run: base checkpoint in, new checkpoint folder out.
-
-    ``debug_fault`` makes the child fail on purpose once the model is loaded, to test failure
-    handling end to end: ``"exit"`` ends it with ``os._exit(3)`` (a hard crash, like an OOM kill, with
-    no Python cleanup and no outcome), ``"hang"`` sleeps until the timeout. In a multi-process run
-    only the last rank does, leaving the others waiting in a collective.
-    """
+    """One training run: base checkpoint in, new checkpoint folder out."""
 
     base_model_dir: Path
     out_dir: Path  # the checkpoint folder to create; must not exist
@@ -45,7 +36,6 @@ class TrainingRequest:
     device: str = "cpu"
     num_threads: int | None = None  # torch CPU threads in the child; None: torch's default
     timeout_s: float = 3600.0
-    debug_fault: DebugFault | None = None
     # One per sample, computed by the caller (e.g. reward minus a feedback baseline); None: from the rewards.
     advantages: tuple[float, ...] | None = None
     # The KL loss's reference policy (slime: the initial model); None: the base checkpoint itself.
@@ -71,8 +61,6 @@ class TrainingRequest:
             errors.append(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.eval_every < 0 or (self.eval_every > 0 and not self.eval_set):
             errors.append("eval_every must be >= 0, and > 0 only with an eval_set")
-        if self.debug_fault is not None and self.debug_fault not in get_args(DebugFault):
-            errors.append(f"debug_fault must be one of {get_args(DebugFault)}, got {self.debug_fault!r}")
         if errors:
             raise ValueError("invalid training request: " + "; ".join(errors))
 

@@ -145,7 +145,6 @@ class Settings(BaseSettings):
     checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
     round_heartbeat_s: float = Field(30.0, gt=0)
     round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")
-    learn_debug_fault: Literal["exit", "hang"] | None = Field(None, description="tests only: make training fail")
     internal_admin_key: SecretStr | None = Field(
         None, description="set by `tandem serve` for its own learner child when no admin key is configured"
     )

@@ -10,7 +10,6 @@ every rank runs this; global rank 0 gathers the weights and exports.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from learner.megatron.backend import MegatronPolicy, OptimizerSettings
 from learner.megatron.cpu_compat import on_cpu
 from learner.megatron.runtime import parallel, world_rank
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_state_dict
-from learner.training_request import DEBUG_EXIT_CODE, TrainingRequest
+from learner.training_request import TrainingRequest
 
 __all__ = ["train_megatron"]
 
@@ -45,11 +44,6 @@ def train_megatron(request: TrainingRequest, metrics: list[dict[str, float]]) ->
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         settings = OptimizerSettings(request.learning_rate, request.weight_decay, request.config.clip_grad)
         policy = MegatronPolicy(request.base_model_dir, actor, optimizer=settings)
-        if world_rank() == world - 1:  # the last rank: with several, the others are left in a collective
-            if request.debug_fault == "exit":
-                os._exit(DEBUG_EXIT_CODE)
-            if request.debug_fault == "hang":
-                time.sleep(request.timeout_s + 3600)
         ref = None
         if request.config.loss.kl_loss_coef != 0:
             reference = request.config.megatron.for_role("reference")

@@ -31,7 +31,7 @@ from learner.child_process import run_child, write_outcome
 from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
-from learner.training_request import DEBUG_EXIT_CODE, TrainingRequest
+from learner.training_request import TrainingRequest
 
 __all__ = ["FailureKind", "TrainingOutcome", "run_training_child"]
 
@@ -159,10 +159,6 @@ def _train(
         return model.to(request.device)
 
     model = load(request.base_model_dir)
-    if request.debug_fault == "exit":
-        os._exit(DEBUG_EXIT_CODE)
-    if request.debug_fault == "hang":
-        time.sleep(request.timeout_s + 3600)
     ref_model = None
     if request.config.loss.kl_loss_coef != 0:
         ref_model = load(request.reference_model_dir or request.base_model_dir).eval().requires_grad_(False)

@@ -7,6 +7,7 @@ see a single failure; a hanging round is cancelled through the API and stops wit
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -22,8 +23,10 @@ import torch
 
 from learner.evaluation import EvalConfig
 from learner.round import RoundConfig, RoundResult, run_round
+from learner.round_config import default_train_config
 from storage import get_round, list_versions, record_model_version, set_version_status
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
+from tests.learner.fault_plugins import HANG
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.streaming_load import StreamingLoad
 
@@ -260,7 +263,8 @@ def test_cancel_a_hanging_round(gateway: Gateway, history: History, tmp_path: Pa
     versions_before = versions_of(gateway)
     training = threading.Event()
     results: list[RoundResult] = []
-    config = round_config(gateway, tmp_path, debug_fault="hang", train_timeout_s=3.0, heartbeat_s=0.2)
+    hanging = dataclasses.replace(default_train_config(), custom_loss_path=HANG)
+    config = round_config(gateway, tmp_path, train_config=hanging, train_timeout_s=3.0, heartbeat_s=0.2)
 
     def on_stage(stage: str, seconds: float | None) -> None:
         if stage == "train" and seconds is None:

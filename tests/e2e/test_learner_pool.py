@@ -34,6 +34,7 @@ from tandem.settings import Settings
 from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
 from tests.fixtures.tiny_model import tiny_model_path
+from tests.learner.fault_plugins import HANG
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support import learner_queue
 from tests.support.learner_queue import REDIS
@@ -252,7 +253,7 @@ def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(
 ) -> None:
     env = learner_env(gateway, tmp_path / "learner", redis_prefix)
     chat_and_rate(gateway, [("Is water wet?", "up"), ("Is fire cold?", "down"), ("Is ice hot?", "down")])
-    doomed = workers({**env, "TANDEM_LEARN_DEBUG_FAULT": "hang"}, gateway.url)
+    doomed = workers({**env, "TANDEM_LEARN_CUSTOM_LOSS_PATH": HANG}, gateway.url)
     task = sender(env).send_task(LEARN)
 
     def running() -> bool:

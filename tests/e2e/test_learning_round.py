@@ -7,6 +7,7 @@ the gateway busy while the round runs and every one of their requests must compl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ from learner.evaluation import EvalConfig
 from learner.reward_model import FittedRewardModel, RewardModelConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
+from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from storage import get_round, get_version, list_rounds, list_versions, serving_version
 from tandem.cli import app
 from tests.fixtures.tiny_model import tiny_model_path
+from tests.learner.fault_plugins import CRASH
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.streaming_load import StreamingLoad
 
@@ -147,7 +150,8 @@ def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path
     before = serving(gateway)
     with gateway.sessions()() as session:
         versions_before = list_versions(session, model=gateway.model)
-    result = run_round(round_config(gateway, tmp_path, debug_fault="exit"))
+    crashing = dataclasses.replace(default_train_config(), custom_loss_path=CRASH)
+    result = run_round(round_config(gateway, tmp_path, train_config=crashing))
     assert result.status == "failed" and result.version_id is None
     assert "training crashed" in (result.error or "")
     assert serving(gateway) == before

@@ -23,7 +23,7 @@ def test_the_keys_are_the_learners_round_knobs() -> None:
     )
     assert {"baseline", "rollout_max_tokens", "custom_loss_path"} <= set(ROUND_SETTINGS)
     # When rounds run and what the worker machine has are not a round's settings.
-    assert not {"check_interval_s", "min_feedback", "min_interval_s", "threads", "debug_fault"} & set(ROUND_SETTINGS)
+    assert not {"check_interval_s", "min_feedback", "min_interval_s", "threads"} & set(ROUND_SETTINGS)
 
 
 def test_overrides_reach_the_round_config_and_are_stored_as_json(settings: Settings) -> None:

@@ -26,6 +26,7 @@ from learner.megatron_config import MegatronConfig
 from learner.trainers import TrainConfig
 from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from tests.fixtures.tiny_model import tiny_model_path
+from tests.learner.fault_plugins import CRASH, HANG
 from tests.learner.trainers.conftest import random_samples
 
 LAYOUTS = {
@@ -61,12 +62,14 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def request(base_dir: Path, out_dir: Path, layout: MegatronConfig, **changes: object) -> TrainingRequest:
+def request(
+    base_dir: Path, out_dir: Path, layout: MegatronConfig, custom_loss_path: str | None = None, **changes: object
+) -> TrainingRequest:
     fields: dict = {
         "base_model_dir": base_dir,
         "out_dir": out_dir,
         "samples": tuple(random_samples(6, seed=2)),
-        "config": dataclasses.replace(CONFIG, megatron=layout),
+        "config": dataclasses.replace(CONFIG, megatron=layout, custom_loss_path=custom_loss_path),
         "advantages": ADVANTAGES,
         "num_steps": 2,
         "learning_rate": 1e-3,
@@ -133,7 +136,7 @@ def marker(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_a_rank_that_dies_fails_the_run_and_no_rank_is_left(base_dir: Path, tmp_path: Path, marker: str) -> None:
     # the last rank exits hard once loaded; rank 0 is left in a collective with it
-    faulty = request(base_dir, tmp_path / "out", LAYOUTS["tensor_parallel=2"], debug_fault="exit")
+    faulty = request(base_dir, tmp_path / "out", LAYOUTS["tensor_parallel=2"], custom_loss_path=CRASH)
     outcome = run_training_child(faulty)
     assert outcome.status == "failed" and outcome.failure == "crashed", outcome.error
     assert "the training process of rank 1 (of 2) exited with code 3" in (outcome.error or "")
@@ -142,7 +145,7 @@ def test_a_rank_that_dies_fails_the_run_and_no_rank_is_left(base_dir: Path, tmp_
 
 
 def test_a_hung_rank_times_out_and_no_rank_is_left(base_dir: Path, tmp_path: Path, marker: str) -> None:
-    hung = request(base_dir, tmp_path / "out", LAYOUTS["pipeline_parallel=2"], debug_fault="hang", timeout_s=12)
+    hung = request(base_dir, tmp_path / "out", LAYOUTS["pipeline_parallel=2"], custom_loss_path=HANG, timeout_s=12)
     outcome = run_training_child(hung)
     assert outcome.status == "failed" and outcome.failure == "timeout", outcome.error
     assert "12 s timeout" in (outcome.error or "")

@@ -15,6 +15,7 @@ import torch
 from learner.trainers import weights_sha256
 from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from server.engines.local.weights import read_state_dict
+from tests.learner.fault_plugins import CRASH, HANG
 from tests.learner.trainers.conftest import random_samples
 
 
@@ -34,10 +35,12 @@ def outcomes(
     )
     requests = {
         "ok": base,
-        "exit": replace(base, out_dir=out / "exit", debug_fault="exit"),
+        "exit": replace(base, out_dir=out / "exit", config=replace(base.config, custom_loss_path=CRASH)),
         "missing": replace(base, out_dir=out / "missing", base_model_dir=out / "no-such-model"),
         "nan": replace(base, out_dir=out / "nan", learning_rate=1e30, num_steps=3),
-        "timeout": replace(base, out_dir=out / "timeout", debug_fault="hang", timeout_s=4),
+        "timeout": replace(
+            base, out_dir=out / "timeout", config=replace(base.config, custom_loss_path=HANG), timeout_s=4
+        ),
     }
     with ThreadPoolExecutor(len(requests)) as pool:
         futures = {name: pool.submit(run_training_child, request) for name, request in requests.items()}
