@@ -3,8 +3,8 @@
 Built-in mapping (``feedback_reward``): a rating ``up``/``down`` gives ``+1``/``-1`` (configurable);
 a ``score`` in [-1, 1] is used as is.
 
-A ``corrected_answer`` is a preferred alternative: ``feedback_group`` adds it to the rated answer's
-group as one extra sample with the same prompt, the corrected text's token ids as its response, and
+A ``corrected_answer`` is a preferred alternative. Rounds do not train on it yet (docs/rewards.md);
+``feedback_group`` is the hook for that: it adds it to the rated answer's group as one extra sample with the same prompt, the corrected text's token ids as its response, and
 reward ``corrected_answer`` (default +1, as good as an ``up``). After group normalisation it is the
 group's best answer, so GRPO pushes towards it and away from the rated one when that one was worse.
 The policy never produced it, so it has no behaviour log-probs (``rollout_log_probs`` is None) and no
