@@ -48,7 +48,7 @@ def model_path(spec: str) -> Path:
         from tests.fixtures.tiny_model import tiny_model_path
 
         return tiny_model_path()
-    return resolve_model(spec, Settings().model_cache_dir)
+    return resolve_model(spec, Settings().storage.model_cache_dir)
 
 
 def free_port() -> int:

@@ -88,7 +88,7 @@ class DatabaseScheduler(Scheduler):  # type: ignore[misc]
             wait = self.fire_due(utcnow())
         except Exception:  # a database or broker outage must not end beat: the next tick tries again
             log.warning("schedules: this tick failed; retrying at the next", exc_info=True)
-            wait = self.settings.learn_check_interval_s
+            wait = self.settings.learner.check_interval_s
         return min(celery_wait, wait)
 
     def fire_due(self, now: datetime) -> float:
@@ -101,7 +101,7 @@ class DatabaseScheduler(Scheduler):  # type: ignore[misc]
         with sessions() as session:
             schedules = list_schedules(session, enabled=True)
         feedback = self._feedback_states([s for s in schedules if s.kind == "feedback"])
-        wait = self.settings.learn_check_interval_s
+        wait = self.settings.learner.check_interval_s
         for schedule in schedules:
             timing = Timing.of(schedule)
             if schedule.kind == "feedback" and schedule.id not in feedback:
@@ -168,7 +168,7 @@ class DatabaseScheduler(Scheduler):  # type: ignore[misc]
         from learner.round_config import RoundError
         from learner.server_api import ServerApi
 
-        key = self.settings.admin_key or self.settings.internal_admin_key
+        key = self.settings.server.admin_key or self.settings.server.internal_admin_key
         server = self.app.server_url or self.settings.local_server_url
         try:
             if key is None:
@@ -215,8 +215,8 @@ def ensure_default_schedule(session: Session, settings: Settings, *, actor: str)
         "name": DEFAULT_SCHEDULE,
         "kind": "feedback",
         "cron": None,
-        "interval_s": math.ceil(settings.learn_min_interval_s) or None,
-        "min_feedback": settings.learn_min_feedback,
+        "interval_s": math.ceil(settings.learner.min_interval_s) or None,
+        "min_feedback": settings.learner.min_feedback,
         "quiet_start": None,
         "quiet_end": None,
         "timezone": "UTC",

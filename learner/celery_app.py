@@ -47,24 +47,26 @@ class LearnerCelery(Celery):
 
 def broker_urls(settings: Settings) -> tuple[str, str]:
     """``(broker_url, result_backend)`` for these settings."""
-    if settings.redis_url:
-        return settings.redis_url, settings.redis_url
+    if settings.learner.redis_url:
+        return settings.learner.redis_url, settings.learner.redis_url
     return (
-        f"sqla+sqlite:///{settings.data_dir / 'celery-broker.sqlite'}",
-        f"db+sqlite:///{settings.data_dir / 'celery-results.sqlite'}",
+        f"sqla+sqlite:///{settings.storage.data_dir / 'celery-broker.sqlite'}",
+        f"db+sqlite:///{settings.storage.data_dir / 'celery-results.sqlite'}",
     )
 
 
 def create_celery_app(settings: Settings, *, server_url: str | None = None) -> LearnerCelery:
     """The app for a worker (``server_url`` given) or for sending tasks (``server_url=None``)."""
     broker, backend = broker_urls(settings)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)  # SQLite and beat create files, not folders
+    settings.storage.data_dir.mkdir(parents=True, exist_ok=True)  # SQLite and beat create files, not folders
     app = LearnerCelery(settings, server_url=server_url, include=["learner.tasks"])
     app.conf.update(
         broker_url=broker,
         result_backend=backend,
         broker_transport_options=_transport_options(settings),
-        result_backend_transport_options={"global_keyprefix": settings.redis_key_prefix} if settings.redis_url else {},
+        result_backend_transport_options={"global_keyprefix": settings.learner.redis_key_prefix}
+        if settings.learner.redis_url
+        else {},
         # A worker that cannot reach its broker at start says so instead of retrying forever.
         broker_connection_retry_on_startup=False,
         task_acks_late=True,
@@ -79,7 +81,7 @@ def create_celery_app(settings: Settings, *, server_url: str | None = None) -> L
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
         beat_scheduler=BEAT_SCHEDULER,
-        beat_max_loop_interval=settings.learn_check_interval_s,
+        beat_max_loop_interval=settings.learner.check_interval_s,
     )
     return app
 
@@ -103,12 +105,12 @@ def send_learn(
 
 
 def _transport_options(settings: Settings) -> dict[str, Any]:
-    if not settings.redis_url:
+    if not settings.learner.redis_url:
         return {}
-    visibility = settings.celery_visibility_timeout_s
+    visibility = settings.learner.celery_visibility_timeout_s
     return {
         "visibility_timeout": visibility,
-        "global_keyprefix": settings.redis_key_prefix,
+        "global_keyprefix": settings.learner.redis_key_prefix,
         # Idle workers look for overdue unacknowledged tasks this often (kombu's default: every 100 s).
         "unacked_restore_interval": max(1, min(60, int(visibility / 10))),
         "unacked_restore_throttle": 1,

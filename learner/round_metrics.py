@@ -86,9 +86,9 @@ class RoundMetricsConfig:
         """TensorBoard under ``settings.resolved_tensorboard_dir``; W&B when ``wandb_project`` is set."""
         return cls(
             tensorboard_dir=settings.resolved_tensorboard_dir,
-            wandb_project=settings.wandb_project or None,
-            wandb_mode=settings.wandb_mode,
-            wandb_dir=settings.data_dir / "wandb",
+            wandb_project=settings.observability.wandb_project or None,
+            wandb_mode=settings.observability.wandb_mode,
+            wandb_dir=settings.storage.data_dir / "wandb",
         )
 
 

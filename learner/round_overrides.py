@@ -1,8 +1,9 @@
-"""A schedule's round settings: overrides of the learner's ``learn_*`` settings for the rounds it fires.
+"""A schedule's round settings: overrides of the learner's ``TANDEM_LEARN_*`` settings for the rounds it fires.
 
-The keys are Settings' ``learn_*`` field names without the prefix (``learning_rate``, ``reward``,
-``samples_per_prompt``, ``kl_coef``...), less the few that decide when or where rounds run rather than
-how (``NOT_ROUND_SETTINGS``), so a new learner setting is a schedule setting at once. Values are
+The keys are the learner settings' names (``settings.learner.learning_rate``, ``reward``,
+``samples_per_prompt``, ``kl_coef``...: the ``learn_*`` flat names without the prefix), less the few
+that decide when or where rounds run rather than how (``NOT_ROUND_SETTINGS``), so a new learner setting
+is a schedule setting at once. Values are
 checked by Settings' own validators, and the result by building the round's config through
 ``learner.round_settings.round_config`` as a worker will (a reward plugin path must load, a custom
 reward needs its path...). A worker applies them on top of its own settings.
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 
 from learner.plugins import PluginError
 from learner.round_settings import round_config
-from tandem.settings import Settings
+from tandem.settings import LearnerSettings, Settings
 
 __all__ = ["ROUND_SETTINGS", "RoundSettingsError", "check_round_settings", "with_round_settings"]
 
@@ -27,9 +28,9 @@ PREFIX = "learn_"
 NOT_ROUND_SETTINGS = frozenset({"check_interval_s", "min_feedback", "min_interval_s", "threads"})
 ROUND_SETTINGS = tuple(
     sorted(
-        name.removeprefix(PREFIX)
-        for name in Settings.model_fields
-        if name.startswith(PREFIX) and name.removeprefix(PREFIX) not in NOT_ROUND_SETTINGS
+        name
+        for name, info in LearnerSettings.model_fields.items()
+        if (info.serialization_alias or "").startswith(PREFIX) and name not in NOT_ROUND_SETTINGS
     )
 )
 
@@ -56,13 +57,12 @@ def with_round_settings(settings: Settings, overrides: Mapping[str, Any]) -> Set
             )
     if not overrides:
         return settings
-    values = {**settings.model_dump(), **{PREFIX + key: value for key, value in overrides.items()}}
     try:
-        return Settings.model_validate(values)
+        return settings.with_overrides(**{PREFIX + key: value for key, value in overrides.items()})
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        key = field.removeprefix(PREFIX) if field.removeprefix(PREFIX) in overrides else next(iter(overrides))
+        field = str(first["loc"][-1]).removeprefix(PREFIX) if first["loc"] else ""
+        key = field if field in overrides else next(iter(overrides))
         raise RoundSettingsError(f"round_settings.{key}", f"round_settings.{key}: {first['msg']}.") from exc
 
 
@@ -78,5 +78,5 @@ def check_round_settings(settings: Settings, overrides: Mapping[str, Any]) -> di
         round_config(applied, server_url=applied.local_server_url, admin_key="check", trigger="schedule")
     except (ValueError, PluginError) as exc:
         raise RoundSettingsError("round_settings", f"These round settings make an invalid round: {exc}") from exc
-    dumped = applied.model_dump(mode="json")
-    return {key: dumped[PREFIX + key] for key in overrides}
+    dumped = applied.learner.model_dump(mode="json")
+    return {key: dumped[key] for key in overrides}

@@ -24,9 +24,9 @@ def check_learner_settings(settings: Settings) -> None:
 
 def megatron_config(settings: Settings) -> MegatronConfig:
     """The megatron layout; ValueError names an invalid size or combination, or a custom loss it cannot run."""
-    config = MegatronConfig.from_dict(settings.learn_megatron)
+    config = MegatronConfig.from_dict(settings.learner.megatron)
     refusal = config.custom_loss_refusal()
-    if settings.learn_backend == "megatron" and settings.learn_custom_loss_path and refusal:
+    if settings.learner.backend == "megatron" and settings.learner.custom_loss_path and refusal:
         raise ValueError(refusal)
     return config
 
@@ -34,13 +34,15 @@ def megatron_config(settings: Settings) -> MegatronConfig:
 def train_config(settings: Settings) -> TrainConfig:
     """The default training knobs with the learner settings' KL loss, custom loss, micro-batch cap and backend."""
     defaults = default_train_config()
-    loss = dataclasses.replace(defaults.loss, kl_loss_coef=settings.learn_kl_coef, kl_loss_type=settings.learn_kl_type)
+    loss = dataclasses.replace(
+        defaults.loss, kl_loss_coef=settings.learner.kl_coef, kl_loss_type=settings.learner.kl_type
+    )
     return dataclasses.replace(
         defaults,
         loss=loss,
-        custom_loss_path=settings.learn_custom_loss_path,
-        max_tokens_per_micro_batch=settings.learn_max_tokens_per_device,
-        backend=settings.learn_backend,
+        custom_loss_path=settings.learner.custom_loss_path,
+        max_tokens_per_micro_batch=settings.learner.max_tokens_per_device,
+        backend=settings.learner.backend,
         megatron=megatron_config(settings),
     )
 
@@ -48,22 +50,22 @@ def train_config(settings: Settings) -> TrainConfig:
 def eval_config(settings: Settings) -> EvalConfig:
     """The evaluation gate from the ``eval_*`` settings."""
     method = EvalMethod(
-        fn_path=settings.eval_fn_path,
-        temperature=settings.eval_temperature,
-        top_p=settings.eval_top_p,
-        max_tokens=settings.eval_max_tokens,
-        samples_per_prompt=settings.eval_samples_per_prompt,
-        seed=settings.eval_seed,
+        fn_path=settings.evaluation.fn_path,
+        temperature=settings.evaluation.temperature,
+        top_p=settings.evaluation.top_p,
+        max_tokens=settings.evaluation.max_tokens,
+        samples_per_prompt=settings.evaluation.samples_per_prompt,
+        seed=settings.evaluation.seed,
     )
     return EvalConfig(
-        gate=settings.eval_gate,
-        margin=settings.eval_margin,
+        gate=settings.evaluation.gate,
+        margin=settings.evaluation.margin,
         method=method,
-        prompts_path=settings.eval_prompts,
-        holdout_fraction=settings.eval_holdout_fraction,
-        max_samples=settings.eval_max_samples,
-        every_steps=settings.eval_every_steps,
-        timeout_s=settings.eval_timeout_s,
+        prompts_path=settings.evaluation.prompts,
+        holdout_fraction=settings.evaluation.holdout_fraction,
+        max_samples=settings.evaluation.max_samples,
+        every_steps=settings.evaluation.every_steps,
+        timeout_s=settings.evaluation.timeout_s,
     )
 
 
@@ -76,21 +78,21 @@ def round_config(
         server_url=server_url,
         admin_key=admin_key,
         database_url=settings.resolved_database_url,
-        checkpoint_dir=settings.resolved_checkpoint_dir,
-        learning_rate=settings.learn_learning_rate,
-        num_steps=settings.learn_steps,
-        num_threads=settings.learn_threads or None,
-        train_timeout_s=settings.learn_train_timeout_s,
-        heartbeat_s=settings.round_heartbeat_s,
+        checkpoint_dir=settings.storage.resolved_checkpoint_dir,
+        learning_rate=settings.learner.learning_rate,
+        num_steps=settings.learner.steps,
+        num_threads=settings.learner.threads or None,
+        train_timeout_s=settings.learner.train_timeout_s,
+        heartbeat_s=settings.learner.round_heartbeat_s,
         trigger=trigger,
-        reward=settings.learn_reward,
-        reward_path=settings.learn_reward_path,
-        baseline=settings.learn_baseline,
+        reward=settings.learner.reward,
+        reward_path=settings.learner.reward_path,
+        baseline=settings.learner.baseline,
         rollout=RolloutConfig(
-            n_samples_per_prompt=settings.learn_samples_per_prompt, max_new_tokens=settings.learn_rollout_max_tokens
+            n_samples_per_prompt=settings.learner.samples_per_prompt, max_new_tokens=settings.learner.rollout_max_tokens
         ),
         metrics=RoundMetricsConfig.from_settings(settings),
-        save_batch_dir=settings.learn_save_batch_dir,
+        save_batch_dir=settings.learner.save_batch_dir,
         train_config=train_config(settings),
         evaluation=eval_config(settings),
     )

@@ -149,7 +149,7 @@ def _busy(exc: RoundError) -> dict[str, Any]:
 
 def _lock_holder_died(sessions: sessionmaker[Session], settings: Settings, model: str) -> bool:
     """Watch the model's running round until it heartbeats (alive: False) or goes stale (failed: True)."""
-    deadline = time.monotonic() + settings.round_stale_timeout_s + settings.round_heartbeat_s
+    deadline = time.monotonic() + settings.learner.round_stale_timeout_s + settings.learner.round_heartbeat_s
     seen: tuple[str, Any] | None = None
     while time.monotonic() < deadline:
         _fail_stale(sessions, settings)
@@ -161,13 +161,13 @@ def _lock_holder_died(sessions: sessionmaker[Session], settings: Settings, model
         if seen is not None and now != seen:
             return False
         seen = now
-        time.sleep(min(1.0, settings.round_heartbeat_s / 2))
+        time.sleep(min(1.0, settings.learner.round_heartbeat_s / 2))
     return False
 
 
 def _fail_stale(sessions: sessionmaker[Session], settings: Settings) -> None:
     with sessions.begin() as session:
-        failed = fail_stale_rounds(session, timeout=timedelta(seconds=settings.round_stale_timeout_s))
+        failed = fail_stale_rounds(session, timeout=timedelta(seconds=settings.learner.round_stale_timeout_s))
     for stale in failed:
         log.warning(
             "failed a round whose worker stopped heart-beating",
@@ -184,7 +184,7 @@ def _worker_context(task: Task) -> tuple[Settings, str, str]:
     app = task.app
     if not isinstance(app, LearnerCelery) or app.server_url is None:
         raise RuntimeError("learner tasks run in `tandem worker`, whose app knows the server to learn for")
-    key = app.tandem_settings.admin_key
+    key = app.tandem_settings.server.admin_key
     if key is None:
         raise RuntimeError("the worker has no admin key (TANDEM_ADMIN_KEY)")
     return app.tandem_settings, app.server_url, key.get_secret_value()

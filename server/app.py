@@ -52,7 +52,7 @@ class ServingUnprotectedError(StartupError):
 
 def refuse_unprotected(settings: Settings) -> None:
     """Raise ServingUnprotectedError when binding beyond loopback with no key that could protect it."""
-    if settings.binds_loopback or settings.admin_key is not None:
+    if settings.server.binds_loopback or settings.server.admin_key is not None:
         return
     url = settings.resolved_database_url
     db = make_engine(url)
@@ -62,14 +62,14 @@ def refuse_unprotected(settings: Settings) -> None:
             keys = count_active_api_keys(session)
     except OperationalError as exc:
         raise StartupError(
-            f"Cannot check whether API keys protect {settings.host}: the database is unreachable ({exc.orig}). "
+            f"Cannot check whether API keys protect {settings.server.host}: the database is unreachable ({exc.orig}). "
             "Set TANDEM_ADMIN_KEY to serve while it is down, or bind 127.0.0.1."
         ) from exc
     finally:
         db.dispose()
     if keys == 0:
         raise ServingUnprotectedError(
-            f"Refusing to serve on {settings.host}: it is reachable from other machines and no API key is "
+            f"Refusing to serve on {settings.server.host}: it is reachable from other machines and no API key is "
             "configured. Create one with `tandem keys create`, set TANDEM_ADMIN_KEY, or bind 127.0.0.1."
         )
 
@@ -104,16 +104,16 @@ async def _migrate(url: str) -> asyncio.Task[None] | None:
 
 def _default_tenant_limits(settings: Settings) -> Limits:
     return Limits(
-        requests_per_minute=settings.tenant_requests_per_minute or None,
-        tokens_per_minute=settings.tenant_tokens_per_minute or None,
-        max_concurrent_requests=settings.tenant_max_concurrent_requests or None,
+        requests_per_minute=settings.server.tenant_requests_per_minute or None,
+        tokens_per_minute=settings.server.tenant_tokens_per_minute or None,
+        max_concurrent_requests=settings.server.tenant_max_concurrent_requests or None,
     )
 
 
 def _load_tokenizer(settings: Settings, engine: Engine) -> PreTrainedTokenizerBase:
     path = Path(engine.model_info().model_path)
     if not (path / "tokenizer_config.json").exists():  # a remote engine's path is not on this machine
-        path = resolve_model(settings.model, settings.model_cache_dir)
+        path = resolve_model(settings.engine.model, settings.storage.model_cache_dir)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -121,13 +121,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     """The FastAPI app; the engine and the conversation log are opened at startup unless given.
 
     Raises:
-        ServingUnprotectedError: ``settings.host`` is not loopback and no API key exists.
+        ServingUnprotectedError: ``settings.server.host`` is not loopback and no API key exists.
     """
     refuse_unprotected(settings)
     model_path: Path | None = None
-    if engine is None and settings.engine == "local":
+    if engine is None and settings.engine.kind == "local":
         try:
-            model_path = resolve_model(settings.model, settings.model_cache_dir)
+            model_path = resolve_model(settings.engine.model, settings.storage.model_cache_dir)
         except (ValueError, RuntimeError) as exc:
             raise StartupError(str(exc)) from exc
     metrics = GatewayMetrics()
@@ -138,8 +138,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
         migrating = await _migrate(url)
         db = make_engine(
             url,
-            sqlite_sync_every_commit=settings.journal_fsync == "always",
-            statement_timeout_s=settings.database_statement_timeout_s,
+            sqlite_sync_every_commit=settings.storage.journal_fsync == "always",
+            statement_timeout_s=settings.storage.statement_timeout_s,
         )
         sessions = make_session_factory(db)
         async with AsyncExitStack() as stack:
@@ -150,11 +150,11 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             if conversation_log is None:
                 conversation_log = ConversationLog(
                     db,
-                    settings.journal_dir,
-                    fsync=settings.journal_fsync,
-                    fsync_interval_s=settings.journal_fsync_interval_s,
-                    flush_interval_s=settings.log_flush_interval_s,
-                    batch_size=settings.log_batch_size,
+                    settings.storage.journal_dir,
+                    fsync=settings.storage.journal_fsync,
+                    fsync_interval_s=settings.storage.journal_fsync_interval_s,
+                    flush_interval_s=settings.storage.log_flush_interval_s,
+                    batch_size=settings.storage.log_batch_size,
                 )
                 await conversation_log.start()
                 stack.push_async_callback(conversation_log.close)
@@ -172,19 +172,23 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             stack.push_async_callback(app.state.distributed.close)
             app.state.engine = serving
             app.state.sessions = sessions
-            app.state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.rollout_max_concurrency)
-            windows = limiter_for(settings.redis_url, settings.redis_key_prefix)
+            app.state.rollouts = RolloutService(
+                serving, tokenizer, chat.renderer, settings.server.rollout_max_concurrency
+            )
+            windows = limiter_for(settings.learner.redis_url, settings.learner.redis_key_prefix)
             app.state.limits = RequestLimiter(windows, _default_tenant_limits(settings))
             app.state.auth = Authenticator(
                 sessions,
-                admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
-                loopback=settings.binds_loopback,
-                internal_key=settings.internal_admin_key.get_secret_value() if settings.internal_admin_key else None,
+                admin_key=settings.server.admin_key.get_secret_value() if settings.server.admin_key else None,
+                loopback=settings.server.binds_loopback,
+                internal_key=settings.server.internal_admin_key.get_secret_value()
+                if settings.server.internal_admin_key
+                else None,
                 policy=AuthPolicy(
-                    key_ttl_s=settings.auth_key_ttl_s,
-                    key_stale_s=settings.auth_key_stale_s,
-                    lookup_timeout_s=settings.auth_lookup_timeout_s,
-                    failures_per_minute=settings.auth_failures_per_minute,
+                    key_ttl_s=settings.server.auth_key_ttl_s,
+                    key_stale_s=settings.server.auth_key_stale_s,
+                    lookup_timeout_s=settings.server.auth_lookup_timeout_s,
+                    failures_per_minute=settings.server.auth_failures_per_minute,
                 ),
                 failure_limiter=windows,
             )
@@ -204,7 +208,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     install_error_handlers(app, authenticate_first)
     app.include_router(router)
     app.state.metrics = metrics
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside the body limit: its 413s count too
     app.add_middleware(RequestLogMiddleware)
     app.add_middleware(ReleaseAdmissions)

@@ -36,7 +36,12 @@ Model = Annotated[
 
 def _run(api: FastAPI, settings: Settings) -> None:
     uvicorn.run(
-        api, host=settings.host, port=settings.port, log_config=None, access_log=False, timeout_graceful_shutdown=10
+        api,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
     )
 
 
@@ -81,8 +86,8 @@ def serve(
         engine_urls=engine_url or None,
         engine_config=engine_config,
     )
-    configure_logging(settings.log_level, settings.log_format)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(settings.observability.log_level, settings.observability.log_format)
+    settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
     settings = with_internal_key(settings)
     try:
         api = create_app(settings)
@@ -106,8 +111,8 @@ def engine_command(
     from tandem.models import resolve_model
 
     settings = Settings().with_overrides(host=host, port=port, model=model, engine="local")
-    configure_logging(settings.log_level, settings.log_format)
-    model_path = resolve_model(settings.model, settings.model_cache_dir)
+    configure_logging(settings.observability.log_level, settings.observability.log_format)
+    model_path = resolve_model(settings.engine.model, settings.storage.model_cache_dir)
     _run(create_engine_app(lambda: open_local_engine(settings, model_path, weight_version=weight_version)), settings)
 
 

@@ -1,19 +1,28 @@
-"""The one settings object: environment (``TANDEM_`` prefix), optional TOML file, CLI overrides."""
+"""The one settings object: environment (``TANDEM_`` prefix), optional TOML file, CLI overrides.
+
+Fields are grouped by the room that uses them (``settings.server.host``, ``settings.learner.steps``),
+and every group field keeps its flat name as an alias: ``TANDEM_HOST``, ``TANDEM_LEARN_STEPS``,
+``TANDEM_EVAL_MARGIN``, a flat key in the TOML file or ``Settings(host=...)`` all still work. A group
+may also be given whole (``[learner]`` in TOML, ``Settings(learner={...})``).
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SGLANG_VERSION = "0.5.23"  # what scripts/setup_sglang.sh installs
+ENV_PREFIX = "TANDEM_"
 
 
 def default_data_dir() -> Path:
@@ -25,47 +34,29 @@ def default_sglang_venv() -> Path:
     return Path.home() / ".cache" / "tandem" / f"sglang-{SGLANG_VERSION}"
 
 
-class Settings(BaseSettings):
-    """Everything tandem reads from its environment, validated once at start-up."""
+def flat(name: str, default: Any = ..., **kwargs: Any) -> Any:
+    """A group field whose flat name (``TANDEM_<NAME>``, a top-level TOML key) differs from its own."""
+    return Field(default, validation_alias=AliasChoices(name), serialization_alias=name, **kwargs)
 
-    model_config = SettingsConfigDict(
-        env_prefix="TANDEM_", toml_file=os.environ.get("TANDEM_CONFIG"), extra="forbid", frozen=True
-    )
+
+class _Group(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+
+class ServerSettings(_Group):
+    """The gateway: where it listens, who may call it, how much one caller may use."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    data_dir: Path = Field(default_factory=default_data_dir)
-    database_url: str = ""
     admin_key: SecretStr | None = None
-
-    model: str = DEFAULT_MODEL
-    served_model_name: str = ""
-    engine: Literal["local", "sglang"] = "local"
-    engine_urls: list[str] = Field(default_factory=list)
-    engine_config: Path | None = Field(None, description="TOML file of managed engine server groups")
-    routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
-    routing_load_factor: float = Field(0.25, gt=0, description="a replica may hold (1 + this) x the average load")
-    routing_load_floor: int = Field(8, ge=0, description="...and always this many requests before sessions move")
-    health_interval_s: float = Field(5.0, gt=0)
-    health_timeout_s: float = Field(0.0, ge=0, description="0 = the interval")
-    healthy_after: int = Field(2, ge=1, description="passed probes before an ejected replica takes traffic")
-    engine_stall_timeout_s: float = Field(60.0, gt=0, description="silence from a replica that counts as failure")
-    engine_start_timeout_s: float = Field(300.0, gt=0, description="how long serve waits for a first replica")
-    sglang_venv: Path = Field(default_factory=default_sglang_venv, description="where setup_sglang.sh installs SGLang")
-    sglang_python: str = Field("", description="interpreter of managed SGLang servers; default: the venv's")
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    torch_threads: int = Field(0, ge=0, description="0 = torch's default")
-
-    max_batch_size: int = Field(16, ge=1)
-    max_queued_requests: int = Field(256, ge=1)
+    internal_admin_key: SecretStr | None = Field(
+        None, description="set by `tandem serve` for its own learner child when no admin key is configured"
+    )
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    request_timeout_s: float = Field(600.0, gt=0)
     rollout_max_concurrency: int = Field(
         1, ge=1, description="learner rollout sequences generating at once (POST /admin/rollouts); users go first"
     )
-    prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
-    max_body_bytes: int = Field(4 << 20, ge=1024)
-    request_timeout_s: float = Field(600.0, gt=0)
-
     # API keys (docs/security.md): how long the gateway trusts what the database said about a key.
     auth_key_ttl_s: float = Field(30.0, gt=0, description="a verified key is rechecked in the background after this")
     auth_key_stale_s: float = Field(
@@ -79,86 +70,6 @@ class Settings(BaseSettings):
     )
     tenant_requests_per_minute: int = Field(0, ge=0)
     tenant_tokens_per_minute: int = Field(0, ge=0, description="prompt tokens plus max_tokens x n, per minute")
-    database_statement_timeout_s: float = Field(
-        30.0, ge=0, description="PostgreSQL statement_timeout of the gateway's queries; 0: none"
-    )
-
-    journal_fsync: Literal["interval", "always"] = "interval"
-    journal_fsync_interval_s: float = Field(0.05, gt=0)
-    log_flush_interval_s: float = Field(0.25, gt=0, description="journal -> database batching; lookups flush first")
-    log_batch_size: int = Field(256, ge=1)
-
-    tensorboard_dir: Path | None = Field(None, description="round metrics event files; default: data_dir/tensorboard")
-    wandb_project: str = Field("", description="W&B project for round metrics; empty: W&B off")
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
-
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "console"] = "json"
-
-    # Learner pool (docs/learner-pool.md): Celery over Redis, or an embedded SQLite broker.
-    learner: Literal["embedded", "off"] = Field(
-        "embedded", description="embedded: `tandem serve` runs one learner worker (with beat) as its child"
-    )
-    redis_url: str = Field("", description="Celery broker and results; empty: SQLite files in the data dir")
-    redis_key_prefix: str = Field("", description="prefix of every Redis key, to share one Redis between deployments")
-    celery_visibility_timeout_s: float = Field(
-        7200.0, gt=0, description="an unacknowledged task is redelivered after this; keep it above the longest round"
-    )
-    learn_check_interval_s: float = Field(10.0, gt=0, description="how often beat asks whether a round is due")
-    learn_min_feedback: int = Field(8, ge=1, description="new rated answers since the watermark that make a round due")
-    learn_min_interval_s: float = Field(60.0, ge=0, description="at least this long between scheduled round starts")
-    learn_learning_rate: float = Field(1e-6, gt=0)
-    learn_steps: int = Field(1, ge=1)
-    learn_threads: int = Field(0, ge=0, description="torch CPU threads for training; 0 = torch's default")
-    learn_train_timeout_s: float = Field(3600.0, gt=0)
-    learn_reward: Literal["feedback", "reward_model", "judge", "custom"] = Field(
-        "feedback", description="feedback: train on rated answers; the others score fresh rollouts (docs/rewards.md)"
-    )
-    learn_reward_path: str | None = Field(None, description="custom reward function, 'package.module:function'")
-    learn_baseline: Literal["user", "global"] = Field("user", description="what a lone rating is compared with")
-    learn_samples_per_prompt: int = Field(4, ge=1, le=64, description="rollouts per rated prompt (not feedback)")
-    learn_rollout_max_tokens: int = Field(128, ge=1)
-    learn_save_batch_dir: Path | None = Field(None, description="save each round's batch here (tandem replay)")
-    learn_kl_coef: float = Field(0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
-    learn_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    learn_custom_loss_path: str | None = Field(None, description="a loss replacing the built-in, 'module:function'")
-    learn_backend: Literal["torch", "megatron"] = Field("torch", description="trainer backend (docs/megatron.md)")
-    learn_max_tokens_per_device: int = Field(4096, ge=1, description="token cap of one training micro-batch")
-    learn_megatron: dict[str, Any] = Field(
-        default_factory=dict,
-        description='megatron layout as JSON, e.g. {"tensor_parallel": 2, "recompute": "full"} (docs/megatron.md)',
-    )
-    # Evaluation before promotion (docs/evaluation.md).
-    eval_gate: Literal["on", "off"] = Field("on", description="off: no evaluation, no holdout, always roll out")
-    eval_margin: float = Field(0.05, ge=0, description="promote when candidate score >= serving score - this")
-    eval_prompts: Path | None = Field(None, description="JSONL eval prompts; unset: held-out rated traffic")
-    eval_holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts never trained on")
-    eval_max_samples: int = Field(64, ge=1, description="latest held-out rated answers evaluated")
-    eval_fn_path: str | None = Field(None, description="eval function 'module:function'; unset: loglik margin")
-    eval_temperature: float = Field(0.7, ge=0)
-    eval_top_p: float = Field(1.0, gt=0, le=1)
-    eval_max_tokens: int = Field(128, ge=1)
-    eval_samples_per_prompt: int = Field(1, ge=1, le=64)
-    eval_seed: int = 0
-    eval_every_steps: int = Field(0, ge=0, description="also evaluate during training every N optimizer steps")
-    eval_timeout_s: float = Field(1800.0, gt=0)
-    checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
-    round_heartbeat_s: float = Field(30.0, gt=0)
-    round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")
-    internal_admin_key: SecretStr | None = Field(
-        None, description="set by `tandem serve` for its own learner child when no admin key is configured"
-    )
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
     @field_validator("admin_key")
     @classmethod
@@ -168,66 +79,10 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _stale_keys_outlive_fresh_ones(self) -> Settings:
+    def _stale_keys_outlive_fresh_ones(self) -> ServerSettings:
         if self.auth_key_stale_s < self.auth_key_ttl_s:
             raise ValueError("auth_key_stale_s must be at least auth_key_ttl_s")
         return self
-
-    @field_validator("engine_urls", mode="before")
-    @classmethod
-    def _split_urls(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [u.strip() for u in value.split(",") if u.strip()]
-        return value
-
-    @model_validator(mode="after")
-    def _stale_after_missed_beats(self) -> Settings:
-        if self.round_stale_timeout_s <= 2 * self.round_heartbeat_s:
-            raise ValueError("round_stale_timeout_s must exceed two round heartbeats (round_heartbeat_s)")
-        return self
-
-    @field_validator("wandb_project")
-    @classmethod
-    def _wandb_installed(cls, value: str) -> str:
-        if value and importlib.util.find_spec("wandb") is None:
-            raise ValueError("wandb_project is set but wandb is not installed: pip install 'tandem[wandb]'")
-        return value
-
-    @property
-    def resolved_tensorboard_dir(self) -> Path:
-        return self.tensorboard_dir or self.data_dir / "tensorboard"
-
-    @property
-    def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.data_dir / 'tandem.db'}"
-
-    @property
-    def resolved_checkpoint_dir(self) -> Path:
-        return self.checkpoint_dir or self.data_dir / "checkpoints"
-
-    @property
-    def local_server_url(self) -> str:
-        """The gateway's URL from this machine (a wildcard bind is reached on loopback)."""
-        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else "[::1]" if self.host == "::" else self.host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
-
-    @property
-    def sglang_interpreter(self) -> str:
-        """What runs managed SGLang servers whose group names no python: the venv's when installed."""
-        if self.sglang_python:
-            return self.sglang_python
-        installed = self.sglang_venv / "bin" / "python"
-        return str(installed) if installed.exists() else sys.executable
-
-    @property
-    def journal_dir(self) -> Path:
-        return self.data_dir / "journal"
-
-    @property
-    def model_cache_dir(self) -> Path:
-        return self.data_dir / "models"
 
     @property
     def binds_loopback(self) -> bool:
@@ -238,7 +93,304 @@ class Settings(BaseSettings):
         except ValueError:
             return False
 
+
+class EngineSettings(_Group):
+    """What serves: the model, the in-process engine or SGLang servers, and their sizes."""
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""
+    kind: Literal["local", "sglang"] = flat("engine", "local")
+    urls: list[str] = flat("engine_urls", default_factory=list)
+    config: Path | None = flat("engine_config", None, description="TOML file of managed engine server groups")
+    start_timeout_s: float = flat(
+        "engine_start_timeout_s", 300.0, gt=0, description="how long serve waits for a first replica"
+    )
+    sglang_venv: Path = Field(default_factory=default_sglang_venv, description="where setup_sglang.sh installs SGLang")
+    sglang_python: str = Field("", description="interpreter of managed SGLang servers; default: the venv's")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    torch_threads: int = Field(0, ge=0, description="0 = torch's default")
+    max_batch_size: int = Field(16, ge=1)
+    max_queued_requests: int = Field(256, ge=1)
+    prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+    @property
+    def sglang_interpreter(self) -> str:
+        """What runs managed SGLang servers whose group names no python: the venv's when installed."""
+        if self.sglang_python:
+            return self.sglang_python
+        installed = self.sglang_venv / "bin" / "python"
+        return str(installed) if installed.exists() else sys.executable
+
+
+class RoutingSettings(_Group):
+    """How requests spread over replicas, and when a replica counts as failed."""
+
+    policy: Literal["affinity", "least_loaded", "round_robin"] = flat("routing", "affinity")
+    load_factor: float = flat(
+        "routing_load_factor", 0.25, gt=0, description="a replica may hold (1 + this) x the average load"
+    )
+    load_floor: int = flat(
+        "routing_load_floor", 8, ge=0, description="...and always this many requests before sessions move"
+    )
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(0.0, ge=0, description="0 = the interval")
+    healthy_after: int = Field(2, ge=1, description="passed probes before an ejected replica takes traffic")
+    stall_timeout_s: float = flat(
+        "engine_stall_timeout_s", 60.0, gt=0, description="silence from a replica that counts as failure"
+    )
+
+
+class StorageSettings(_Group):
+    """Where data lives: the data folder, the database, the journal in front of it, checkpoints."""
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str = ""
+    statement_timeout_s: float = flat(
+        "database_statement_timeout_s", 30.0, ge=0, description="PostgreSQL statement_timeout of the gateway; 0: none"
+    )
+    journal_fsync: Literal["interval", "always"] = "interval"
+    journal_fsync_interval_s: float = Field(0.05, gt=0)
+    log_flush_interval_s: float = Field(0.25, gt=0, description="journal -> database batching; lookups flush first")
+    log_batch_size: int = Field(256, ge=1)
+    checkpoint_dir: Path | None = Field(None, description="where rounds write checkpoints; default: data dir")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'tandem.db'}"
+
+    @property
+    def resolved_checkpoint_dir(self) -> Path:
+        return self.checkpoint_dir or self.data_dir / "checkpoints"
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.data_dir / "journal"
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return self.data_dir / "models"
+
+
+def _learn(name: str, default: Any = ..., **kwargs: Any) -> Any:
+    return flat(f"learn_{name}", default, **kwargs)
+
+
+def _eval(name: str, default: Any = ..., **kwargs: Any) -> Any:
+    return flat(f"eval_{name}", default, **kwargs)
+
+
+class LearnerSettings(_Group):
+    """The learner pool (docs/learner-pool.md) and the rounds it runs (``TANDEM_LEARN_*``)."""
+
+    mode: Literal["embedded", "off"] = flat(
+        "learner", "embedded", description="embedded: `tandem serve` runs one learner worker (with beat) as its child"
+    )
+    redis_url: str = Field("", description="Celery broker and results; empty: SQLite files in the data dir")
+    redis_key_prefix: str = Field("", description="prefix of every Redis key, to share one Redis between deployments")
+    celery_visibility_timeout_s: float = Field(
+        7200.0, gt=0, description="an unacknowledged task is redelivered after this; keep it above the longest round"
+    )
+    check_interval_s: float = _learn(
+        "check_interval_s", 10.0, gt=0, description="how often beat asks if a round is due"
+    )
+    min_feedback: int = _learn("min_feedback", 8, ge=1, description="new rated answers that make a round due")
+    min_interval_s: float = _learn("min_interval_s", 60.0, ge=0, description="at least this long between rounds")
+    learning_rate: float = _learn("learning_rate", 1e-6, gt=0)
+    steps: int = _learn("steps", 1, ge=1)
+    threads: int = _learn("threads", 0, ge=0, description="torch CPU threads for training; 0 = torch's default")
+    train_timeout_s: float = _learn("train_timeout_s", 3600.0, gt=0)
+    reward: Literal["feedback", "reward_model", "judge", "custom"] = _learn(
+        "reward",
+        "feedback",
+        description="feedback: train on rated answers; the others score rollouts (docs/rewards.md)",
+    )
+    reward_path: str | None = _learn("reward_path", None, description="custom reward, 'package.module:function'")
+    baseline: Literal["user", "global"] = _learn("baseline", "user", description="what a lone rating is compared with")
+    samples_per_prompt: int = _learn("samples_per_prompt", 4, ge=1, le=64, description="rollouts per rated prompt")
+    rollout_max_tokens: int = _learn("rollout_max_tokens", 128, ge=1)
+    save_batch_dir: Path | None = _learn("save_batch_dir", None, description="save each round's batch (tandem replay)")
+    kl_coef: float = _learn("kl_coef", 0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = _learn("kl_type", "low_var_kl")
+    custom_loss_path: str | None = _learn("custom_loss_path", None, description="a loss replacing the built-in")
+    backend: Literal["torch", "megatron"] = _learn("backend", "torch", description="trainer backend (docs/megatron.md)")
+    max_tokens_per_device: int = _learn("max_tokens_per_device", 4096, ge=1, description="micro-batch token cap")
+    megatron: dict[str, Any] = _learn(
+        "megatron",
+        default_factory=dict,
+        description='megatron layout as JSON, e.g. {"tensor_parallel": 2, "recompute": "full"} (docs/megatron.md)',
+    )
+    round_heartbeat_s: float = Field(30.0, gt=0)
+    round_stale_timeout_s: float = Field(300.0, gt=0, description="a running round silent this long is failed")
+
+    @model_validator(mode="after")
+    def _stale_after_missed_beats(self) -> LearnerSettings:
+        if self.round_stale_timeout_s <= 2 * self.round_heartbeat_s:
+            raise ValueError("round_stale_timeout_s must exceed two round heartbeats (round_heartbeat_s)")
+        return self
+
+
+class EvaluationSettings(_Group):
+    """The evaluation gate before a new version is promoted (docs/evaluation.md; ``TANDEM_EVAL_*``)."""
+
+    gate: Literal["on", "off"] = _eval("gate", "on", description="off: no evaluation, no holdout, always roll out")
+    margin: float = _eval("margin", 0.05, ge=0, description="promote when candidate >= serving score - this")
+    prompts: Path | None = _eval("prompts", None, description="JSONL eval prompts; unset: held-out rated traffic")
+    holdout_fraction: float = _eval("holdout_fraction", 0.1, ge=0, lt=1, description="prompts never trained on")
+    max_samples: int = _eval("max_samples", 64, ge=1, description="latest held-out rated answers evaluated")
+    fn_path: str | None = _eval("fn_path", None, description="eval function 'module:function'; unset: loglik margin")
+    temperature: float = _eval("temperature", 0.7, ge=0)
+    top_p: float = _eval("top_p", 1.0, gt=0, le=1)
+    max_tokens: int = _eval("max_tokens", 128, ge=1)
+    samples_per_prompt: int = _eval("samples_per_prompt", 1, ge=1, le=64)
+    seed: int = _eval("seed", 0)
+    every_steps: int = _eval("every_steps", 0, ge=0, description="also evaluate every N optimizer steps")
+    timeout_s: float = _eval("timeout_s", 1800.0, gt=0)
+
+
+class ObservabilitySettings(_Group):
+    """Logs and round metrics."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "console"] = "json"
+    tensorboard_dir: Path | None = Field(None, description="round metrics event files; default: data_dir/tensorboard")
+    wandb_project: str = Field("", description="W&B project for round metrics; empty: W&B off")
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_installed(cls, value: str) -> str:
+        if value and importlib.util.find_spec("wandb") is None:
+            raise ValueError("wandb_project is set but wandb is not installed: pip install 'tandem[wandb]'")
+        return value
+
+
+GROUPS: dict[str, type[_Group]] = {
+    "server": ServerSettings,
+    "engine": EngineSettings,
+    "routing": RoutingSettings,
+    "storage": StorageSettings,
+    "learner": LearnerSettings,
+    "evaluation": EvaluationSettings,
+    "observability": ObservabilitySettings,
+}
+
+
+def _flat_name(name: str, info: FieldInfo) -> str:
+    return info.serialization_alias or name
+
+
+FLAT_NAMES: dict[str, str] = {
+    _flat_name(name, info): group for group, model in GROUPS.items() for name, info in model.model_fields.items()
+}
+"""Every flat setting name (``TANDEM_<NAME>`` lower-cased) -> the group that holds it."""
+
+
+def _nest(data: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flat names into their groups, merged over ``into``; a whole group (a dict or model under a
+    group's name: "engine" is also a flat name, of a string) merges as it is."""
+    nested = dict(into or {})
+    for key, value in data.items():
+        if key in GROUPS and isinstance(value, dict | BaseModel):
+            given = value.model_dump(by_alias=True) if isinstance(value, BaseModel) else value
+            nested[key] = {**nested.get(key, {}), **given}
+        elif key in FLAT_NAMES:
+            group = FLAT_NAMES[key]
+            nested[group] = {**nested.get(group, {}), key: value}
+        else:
+            nested[key] = value  # refused by extra="forbid": an unknown setting
+    return nested
+
+
+class _FlatEnvironment(PydanticBaseSettingsSource):
+    """``TANDEM_<FLAT NAME>`` variables (case-insensitive), as flat names; JSON for dict and list fields."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads every variable at once
+
+    def __call__(self) -> dict[str, Any]:
+        environ = {key.upper(): value for key, value in os.environ.items()}
+        found: dict[str, Any] = {}
+        for model in GROUPS.values():
+            for name, info in model.model_fields.items():
+                key = _flat_name(name, info)
+                raw = environ.get(ENV_PREFIX + key.upper())
+                if raw is not None:
+                    found[key] = _decode(raw, info, ENV_PREFIX + key.upper())
+        return found
+
+
+def _decode(raw: str, info: FieldInfo, variable: str) -> Any:
+    origin = get_origin(info.annotation) or info.annotation
+    if origin is dict:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{variable} must be a JSON object: {exc}") from exc
+    if origin is list:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw  # a comma-separated list, split by the field's validator
+    return raw
+
+
+class Settings(BaseSettings):
+    """Everything tandem reads from its environment, validated once at start-up, in groups."""
+
+    model_config = SettingsConfigDict(toml_file=os.environ.get("TANDEM_CONFIG"), extra="forbid", frozen=True)
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    learner: LearnerSettings = Field(default_factory=LearnerSettings)
+    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _FlatEnvironment(settings_cls), TomlConfigSettingsSource(settings_cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _group_flat_names(cls, data: Any) -> Any:
+        return _nest(data) if isinstance(data, dict) else data
+
+    # ---- derived values that span groups ----
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.storage.resolved_database_url
+
+    @property
+    def resolved_tensorboard_dir(self) -> Path:
+        return self.observability.tensorboard_dir or self.storage.data_dir / "tensorboard"
+
+    @property
+    def local_server_url(self) -> str:
+        """The gateway's URL from this machine (a wildcard bind is reached on loopback)."""
+        host = self.server.host
+        host = "127.0.0.1" if host in ("", "0.0.0.0") else "[::1]" if host == "::" else host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.server.port}"
+
     def with_overrides(self, **overrides: object) -> Settings:
-        """A copy with the CLI flags that were given (None means not given)."""
+        """A copy with the flags that were given, by flat name (None means not given)."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        return self.model_validate({**self.model_dump(), **given}) if given else self
+        return self.model_validate(_nest(given, into=self.model_dump(by_alias=True))) if given else self

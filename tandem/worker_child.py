@@ -39,14 +39,14 @@ STOP_GRACE_S = 5.0
 
 def with_internal_key(settings: Settings) -> Settings:
     """``settings`` with a fresh internal admin key when an embedded worker will need one."""
-    if settings.learner != "embedded" or settings.admin_key is not None:
+    if settings.learner.mode != "embedded" or settings.server.admin_key is not None:
         return settings
     return settings.with_overrides(internal_admin_key=SecretStr(secrets.token_urlsafe(32)))
 
 
 def attach_worker_child(api: FastAPI, settings: Settings) -> None:
     """Run a worker child while ``api`` serves (after its startup, stopped before its shutdown)."""
-    if settings.learner != "embedded":
+    if settings.learner.mode != "embedded":
         return
     serve = api.router.lifespan_context
 
@@ -70,17 +70,17 @@ class WorkerChild:
 
     @classmethod
     def start(cls, settings: Settings) -> WorkerChild:
-        key = settings.admin_key or settings.internal_admin_key
+        key = settings.server.admin_key or settings.server.internal_admin_key
         if key is None:
             raise ValueError("the worker child needs the admin key or an internal key (with_internal_key)")
         env = {
             **os.environ,
             # What serve resolved, CLI flags included, so both learn from the same data.
-            "TANDEM_DATA_DIR": str(settings.data_dir),
+            "TANDEM_DATA_DIR": str(settings.storage.data_dir),
             "TANDEM_DATABASE_URL": settings.resolved_database_url,
             "TANDEM_ADMIN_KEY": key.get_secret_value(),
-            "TANDEM_LOG_LEVEL": settings.log_level,
-            "TANDEM_LOG_FORMAT": settings.log_format,
+            "TANDEM_LOG_LEVEL": settings.observability.log_level,
+            "TANDEM_LOG_FORMAT": settings.observability.log_format,
         }
         command = [sys.executable, "-m", "tandem.cli", "worker", "--beat", "--server", settings.local_server_url]
         command += ["--parent-pid", str(os.getpid())]

@@ -17,8 +17,8 @@ __all__ = ["open_engine", "open_local_engine", "pool_config"]
 
 async def open_engine(settings: Settings, model_path: Path | None = None, *, weight_version: str = "default") -> Engine:
     """A started engine: the in-process one on ``model_path``, or a pool over SGLang-speaking servers
-    (``settings.engine_urls`` plus the managed ones ``settings.engine_config`` describes)."""
-    if settings.engine == "sglang":
+    (``settings.engine.urls`` plus the managed ones ``settings.engine.config`` describes)."""
+    if settings.engine.kind == "sglang":
         return await _open_pool(settings)
     if model_path is None:
         raise ValueError("the local engine needs a model folder")
@@ -29,36 +29,38 @@ async def open_local_engine(settings: Settings, model_path: Path, *, weight_vers
     """The in-process engine on ``model_path``, as the settings configure it."""
     return await LocalEngine.open(
         model_path,
-        device=settings.device,
-        dtype=settings.dtype,
-        torch_threads=settings.torch_threads,
-        served_model_name=settings.served_model_name or model_path.name,
-        max_batch_size=settings.max_batch_size,
-        max_queued_requests=settings.max_queued_requests,
-        prefix_cache_bytes=settings.prefix_cache_bytes,
+        device=settings.engine.device,
+        dtype=settings.engine.dtype,
+        torch_threads=settings.engine.torch_threads,
+        served_model_name=settings.engine.served_model_name or model_path.name,
+        max_batch_size=settings.engine.max_batch_size,
+        max_queued_requests=settings.engine.max_queued_requests,
+        prefix_cache_bytes=settings.engine.prefix_cache_bytes,
         weight_version=weight_version,
     )
 
 
 def pool_config(settings: Settings) -> PoolConfig:
     return PoolConfig(
-        policy=settings.routing,
-        load_factor=settings.routing_load_factor,
-        load_floor=settings.routing_load_floor,
-        health_interval_s=settings.health_interval_s,
-        health_timeout_s=settings.health_timeout_s or settings.health_interval_s,
-        healthy_after=settings.healthy_after,
+        policy=settings.routing.policy,
+        load_factor=settings.routing.load_factor,
+        load_floor=settings.routing.load_floor,
+        health_interval_s=settings.routing.health_interval_s,
+        health_timeout_s=settings.routing.health_timeout_s or settings.routing.health_interval_s,
+        healthy_after=settings.routing.healthy_after,
     )
 
 
 async def _open_pool(settings: Settings) -> EnginePool:
-    urls = list(settings.engine_urls)
+    urls = list(settings.engine.urls)
     supervisor = None
-    if settings.engine_config is not None:
-        config = load_launch_config(settings.engine_config)
-        python = settings.sglang_interpreter
+    if settings.engine.config is not None:
+        config = load_launch_config(settings.engine.config)
+        python = settings.engine.sglang_interpreter
         router = router_launch(config, python=python)
-        supervisor = Supervisor([*plan(config, python=python), *([router] if router else [])], settings.data_dir / "engines")
+        supervisor = Supervisor(
+            [*plan(config, python=python), *([router] if router else [])], settings.storage.data_dir / "engines"
+        )
         await supervisor.start()
         urls += serving_urls(config)
     if not urls:
@@ -67,9 +69,9 @@ async def _open_pool(settings: Settings) -> EnginePool:
         return await EnginePool.open(
             urls,
             pool_config(settings),
-            start_timeout_s=settings.engine_start_timeout_s,
-            request_timeout_s=settings.request_timeout_s,
-            stall_timeout_s=settings.engine_stall_timeout_s,
+            start_timeout_s=settings.engine.start_timeout_s,
+            request_timeout_s=settings.server.request_timeout_s,
+            stall_timeout_s=settings.routing.stall_timeout_s,
             supervisor=supervisor,
         )
     except BaseException:

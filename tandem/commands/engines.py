@@ -32,7 +32,7 @@ def plan_command(
     except LaunchConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
-    python = Settings().sglang_interpreter
+    python = Settings().engine.sglang_interpreter
     launches = plan(launch_config, python=python)
     router = router_launch(launch_config, python=python)
     for launch in [*launches, *([router] if router else [])]:

@@ -86,13 +86,13 @@ def learn_command(
         "learn_save_batch_dir": save_batch,
     }
     settings = load_settings("learn", **overrides)
-    if settings.admin_key is None:
+    if settings.server.admin_key is None:
         errors.print("[red]set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
         raise typer.Exit(code=2)
     try:
         config = dataclasses.replace(
             round_config(
-                settings, server_url=server, admin_key=settings.admin_key.get_secret_value(), trigger="manual"
+                settings, server_url=server, admin_key=settings.server.admin_key.get_secret_value(), trigger="manual"
             ),
             database_url=resolve_database_url(database_url),
             model_dir=model_dir,

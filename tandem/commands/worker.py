@@ -57,7 +57,7 @@ def worker_command(
         concurrency=concurrency,
         beat=beat,
         queues=[QUEUE],
-        loglevel=settings.log_level,
+        loglevel=settings.observability.log_level,
         quiet=True,
         without_gossip=True,
         without_mingle=True,
@@ -76,7 +76,7 @@ def beat_command(server: Server = None, log_level: LogLevel = None) -> None:
     settings, app, server_url, broker = _learner_app("beat", server, log_level)
     app.conf.include = ()  # beat sends tasks by name: importing them (torch) would only slow its start
     log.info("beat starting", extra={"server": server_url, "broker": broker})
-    beat: Any = app.Beat(loglevel=settings.log_level, quiet=True)
+    beat: Any = app.Beat(loglevel=settings.observability.log_level, quiet=True)
     beat.run()
 
 
@@ -92,7 +92,7 @@ def _learner_app(command: str, server: str | None, log_level: str | None) -> tup
     # A receiver on setup_logging keeps Celery from installing its own handlers over ours.
     setup_logging.connect(lambda **_: _configure_worker_logging(settings), weak=False)
     _configure_worker_logging(settings)
-    if settings.admin_key is None:
+    if settings.server.admin_key is None:
         errors.print(f"[red]tandem {command}: set TANDEM_ADMIN_KEY: the server's admin API needs it[/red]")
         raise typer.Exit(code=2)
     server_url = server or settings.local_server_url
@@ -108,8 +108,8 @@ def _learner_app(command: str, server: str | None, log_level: str | None) -> tup
 
 
 def _configure_worker_logging(settings: Settings) -> None:
-    configure_logging(settings.log_level, settings.log_format)
-    if settings.log_level != "DEBUG":
+    configure_logging(settings.observability.log_level, settings.observability.log_format)
+    if settings.observability.log_level != "DEBUG":
         # Beat ticks every few seconds: its sending, receipt and HTTP calls are not news. Rounds and
         # schedule firings log their own; failures still come through.
         for name in QUIET_LOGGERS:

@@ -133,14 +133,14 @@ def test_commands_refuse_an_invalid_layout_at_start_up(monkeypatch: pytest.Monke
     monkeypatch.setenv("TANDEM_LEARN_BACKEND", "megatron")
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"devices": 2, "tensor_parallel": 2, "recompute": "full"}')
     settings = load_settings("test")
-    assert settings.learn_backend == "megatron" and settings.learn_megatron["tensor_parallel"] == 2
+    assert settings.learner.backend == "megatron" and settings.learner.megatron["tensor_parallel"] == 2
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"sequence_parallel": true}')
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         check_learner_settings(Settings())
     with pytest.raises(typer.Exit):
         load_settings("test")
     monkeypatch.setenv("TANDEM_LEARN_MEGATRON", '{"devices": 2, "context_parallel": 2}')
-    assert load_settings("test").learn_megatron["context_parallel"] == 2
+    assert load_settings("test").learner.megatron["context_parallel"] == 2
     monkeypatch.setenv("TANDEM_LEARN_CUSTOM_LOSS_PATH", "tests.learner.plugins_examples:loss_vanilla_policy_gradient")
     with pytest.raises(ValueError, match="cannot run with context_parallel > 1"):
         check_learner_settings(Settings())

@@ -236,13 +236,13 @@ def test_python_explicit_env_installed_venv_and_fallback(monkeypatch: pytest.Mon
     assert argv(one(python="/venvs/sgl/bin/python"))[0] == "/venvs/sgl/bin/python"
     assert argv(one())[0] == SGLANG_PY
     monkeypatch.setenv("TANDEM_SGLANG_PYTHON", "/opt/other/python")
-    assert Settings().sglang_interpreter == "/opt/other/python"
+    assert Settings().engine.sglang_interpreter == "/opt/other/python"
     monkeypatch.delenv("TANDEM_SGLANG_PYTHON")
     monkeypatch.setenv("TANDEM_SGLANG_VENV", str(tmp_path / "sglang"))
-    assert Settings().sglang_interpreter == sys.executable  # nothing installed there
+    assert Settings().engine.sglang_interpreter == sys.executable  # nothing installed there
     (tmp_path / "sglang" / "bin").mkdir(parents=True)
     (tmp_path / "sglang" / "bin" / "python").touch()
-    assert Settings().sglang_interpreter == str(tmp_path / "sglang" / "bin" / "python")  # what setup_sglang.sh made
+    assert Settings().engine.sglang_interpreter == str(tmp_path / "sglang" / "bin" / "python")  # what setup_sglang.sh made
 
 
 def test_env_is_added_after_gpu_assignment() -> None:
