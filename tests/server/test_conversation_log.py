@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -87,6 +88,12 @@ async def test_replay_after_restart_and_torn_line(
     for _ in range(5):
         await first.record_completion(completion(tenant, tokens=10))
     assert not await first.flush(0.3)
+    # The flusher's first failed write marks the database unavailable (on a loaded machine it may not
+    # have tried yet when the flush above gave up): wait for it rather than assume it.
+    for _ in range(200):
+        if not first.db_available:
+            break
+        await asyncio.sleep(0.05)
     assert first.backlog() == 5 and not first.db_available
     await first.close(timeout_s=0.1)
 
