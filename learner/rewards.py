@@ -43,6 +43,7 @@ from learner.sample import Sample, SampleError, SampleStatus
 __all__ = [
     "NORMALIZATION_BY_ESTIMATOR",
     "FeedbackLike",
+    "Verdict",
     "FeedbackRewardMapping",
     "Normalization",
     "PostProcessedRewards",
@@ -64,13 +65,18 @@ class RewardError(ValueError):
     """Feedback or rewards that cannot be turned into a training signal."""
 
 
-class FeedbackLike(Protocol):
-    """What the mapping reads from a feedback row (``storage.records.FeedbackRecord`` fits)."""
+class Verdict(Protocol):
+    """What the mapping reads from a rating (``storage.feedback_collect.RatingRecord`` fits)."""
 
     @property
     def rating(self) -> Literal["up", "down"] | None: ...
     @property
     def score(self) -> float | None: ...
+
+
+class FeedbackLike(Verdict, Protocol):
+    """A feedback row with its corrected answer (``storage.records.FeedbackRecord`` fits)."""
+
     @property
     def corrected_answer(self) -> str | None: ...
 
@@ -92,7 +98,7 @@ class FeedbackRewardMapping:
             raise RewardError(f"feedback reward 'up' ({self.up}) must exceed 'down' ({self.down})")
 
 
-def feedback_reward(feedback: FeedbackLike, mapping: FeedbackRewardMapping | None = None) -> float:
+def feedback_reward(feedback: Verdict, mapping: FeedbackRewardMapping | None = None) -> float:
     """The reward of a rated answer: its rating mapped, else its score as is.
 
     Raises:

@@ -99,9 +99,3 @@ def _eval_method(fields: dict[str, Any]) -> EvalMethod:
     from learner.evaluation.config import EvalMethod
 
     return EvalMethod(**fields)
-
-
-def _eval_method(fields: dict[str, Any]) -> EvalMethod:
-    from learner.evaluation.config import EvalMethod
-
-    return EvalMethod(**fields)

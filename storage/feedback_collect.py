@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal, cast
 
 from sqlalchemy import Row, Select, func, select, text
 from sqlalchemy.orm import Session, aliased
@@ -130,7 +130,7 @@ class RatingRecord:
     """One rated choice's current verdict, for baselines (no tokens)."""
 
     user_id: str | None
-    rating: str | None
+    rating: Literal["up", "down"] | None
     score: float
 
 
@@ -143,7 +143,10 @@ def rating_history(session: Session, *, model: str) -> list[RatingRecord]:
         .where(Completion.model == model)
         .order_by(Feedback.updated_at)
     )
-    return [RatingRecord(user_id, rating, score) for user_id, rating, score in session.execute(query)]
+    return [
+        RatingRecord(user_id, cast(Literal["up", "down"] | None, rating), score)  # the column holds only these
+        for user_id, rating, score in session.execute(query)
+    ]
 
 
 def _committed_horizon(session: Session) -> int:

@@ -116,7 +116,7 @@ def _convert_gguf(model: BuiltinModel, out_dir: Path) -> None:
     )
     logger.info("%s: weights dequantised in %.1f s", model.key, time.perf_counter() - started)
     # The weights are plain tensors now; without this save_pretrained and trainers refuse them.
-    weights.hf_quantizer = None
+    weights.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types every attribute as a tensor or module
     if hasattr(weights.config, "quantization_config"):
         del weights.config.quantization_config
     tokenizer.model_max_length = weights.config.max_position_embeddings

@@ -143,7 +143,7 @@ def _train(
     request: TrainingRequest, metrics: list[dict[str, float]], evaluations: list[dict[str, float]]
 ) -> ExportResult | None:
     """Train and export; None on a megatron rank other than 0 (rank 0 exports)."""
-    from transformers import AutoModelForCausalLM  # the parent never needs it
+    from transformers import AutoModelForCausalLM, PreTrainedModel  # the parent never needs them
 
     torch.manual_seed(request.seed)
     if request.num_threads is not None:
@@ -153,10 +153,10 @@ def _train(
 
         return train_megatron(request, metrics)
 
-    def load(path: Path) -> torch.nn.Module:
+    def load(path: Path) -> PreTrainedModel:
         # Trained in float32 whatever the checkpoint holds: bf16 updates of size lr * grad round to 0.
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return model.to(request.device)
+        return model.to(torch.device(request.device))  # type: ignore[arg-type]  # transformers types .to oddly
 
     model = load(request.base_model_dir)
     ref_model = None

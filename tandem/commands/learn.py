@@ -124,9 +124,9 @@ def learn_command(
         console.print(f"round {result.round_id}: nothing to learn (no new feedback since {result.watermark_from})")
         return
     rollouts = result.metrics.get("rollout/raw_reward_mean")
-    reward = f"reward mean {result.reward_mean:+.3f}" + (f" (rollouts {rollouts:+.3f})" if rollouts is not None else "")
+    rewards = f"reward mean {result.reward_mean:+.3f}" + (f" (rollouts {rollouts:+.3f})" if rollouts is not None else "")
     if result.status == "rollout_only":
-        console.print(f"round {result.round_id}: {result.samples} samples, {reward}; rollout only, nothing trained")
+        console.print(f"round {result.round_id}: {result.samples} samples, {rewards}; rollout only, nothing trained")
         return
     outcome = (
         f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s"
@@ -134,6 +134,6 @@ def learn_command(
         else f"version {result.version_id} held back as a candidate: {result.metrics.get('eval/reason', '')}"
     )
     console.print(
-        f"round {result.round_id}: {result.samples} samples, {reward}, {outcome}",
+        f"round {result.round_id}: {result.samples} samples, {rewards}, {outcome}",
         soft_wrap=True,  # one line, whatever the terminal width
     )
