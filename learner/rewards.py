@@ -43,11 +43,11 @@ from learner.sample import Sample, SampleError, SampleStatus
 __all__ = [
     "NORMALIZATION_BY_ESTIMATOR",
     "FeedbackLike",
-    "Verdict",
     "FeedbackRewardMapping",
     "Normalization",
     "PostProcessedRewards",
     "RewardError",
+    "Verdict",
     "call_reward_post_process",
     "corrected_answer_sample",
     "feedback_group",

@@ -124,7 +124,9 @@ def learn_command(
         console.print(f"round {result.round_id}: nothing to learn (no new feedback since {result.watermark_from})")
         return
     rollouts = result.metrics.get("rollout/raw_reward_mean")
-    rewards = f"reward mean {result.reward_mean:+.3f}" + (f" (rollouts {rollouts:+.3f})" if rollouts is not None else "")
+    rewards = f"reward mean {result.reward_mean:+.3f}" + (
+        f" (rollouts {rollouts:+.3f})" if rollouts is not None else ""
+    )
     if result.status == "rollout_only":
         console.print(f"round {result.round_id}: {result.samples} samples, {rewards}; rollout only, nothing trained")
         return
