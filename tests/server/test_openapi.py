@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.prometheus import CONTENT_TYPE
+from server.metrics import CONTENT_TYPE
 from tests.server.conftest import Gateway
 
 
