@@ -2,7 +2,7 @@
 
 The routes build their answers as plain dicts and serialise them with orjson (the hot path), and a
 route that returns a Response is not re-validated by FastAPI: these models document the answers,
-and tests/admin/test_response_models.py checks real answers against them. A body that is a storage
+and tests/server/test_response_models.py checks real answers against them. A body that is a storage
 view as ``dataclasses.asdict`` writes it is typed by that dataclass (``view_model``), so its fields
 are declared once.
 """
