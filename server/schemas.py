@@ -1,7 +1,6 @@
-"""OpenAI-compatible request and response bodies.
+"""OpenAI-compatible request bodies, validated by pydantic, and the error answers every route documents.
 
-Requests are validated by pydantic; responses are built as plain dicts and serialised with orjson on
-the hot path, so the response models here only document the OpenAPI schema.
+The response bodies are in server.response_models.
 """
 
 from __future__ import annotations
@@ -9,6 +8,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.response_models import ErrorResponse
 
 MAX_N = 16
 MAX_STOP = 4
@@ -228,101 +229,6 @@ class FeedbackRequest(_Request):
         if self.score is not None:
             return self.score
         return 1.0 if self.rating == "up" else -1.0
-
-
-# Response models: documentation of the OpenAPI schema only (see the module docstring).
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class AssistantReply(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    refusal: None = None
-
-
-class Choice(BaseModel):
-    index: int
-    message: AssistantReply
-    logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[Choice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Feedback(BaseModel):
-    id: str
-    object: Literal["feedback"]
-    completion_id: str
-    choice_index: int
-    score: float
-    rating: Literal["up", "down"] | None
-    comment: str | None
-    corrected_answer: str | None
-    created_at: float
-    revision: int
-
-
-class CompletionView(BaseModel):
-    id: str
-    object: Literal["chat.completion.log"]
-    model_config = ConfigDict(extra="allow")
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {

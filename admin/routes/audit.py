@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from admin.deps import SessionsDep, in_thread
 from admin.routes.pages import Limit, page
+from admin.schemas import AuditPage
 from server.routes.deps import AdminDep, json_response
 from server.schemas import ERRORS, INT64_MAX
 from storage.audit import AdminActionView, list_admin_actions
@@ -16,7 +17,7 @@ from storage.audit import AdminActionView, list_admin_actions
 router = APIRouter()
 
 
-@router.get("/admin/audit", response_model=None, responses=ERRORS)
+@router.get("/admin/audit", response_model=AuditPage, responses=ERRORS)
 async def list_audit(
     _: AdminDep,
     sessions: SessionsDep,

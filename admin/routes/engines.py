@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import ActorDep, SessionsDep, audit_refusal, in_thread
+from admin.schemas import EngineReplica, EngineReplicaList
 from server.engine_status import ReplicaState, replica_states
 from server.errors import ApiError
 from server.metrics import GatewayMetrics
@@ -53,12 +54,12 @@ def _not_found(name: str, known: list[str]) -> ApiError:
     )
 
 
-@router.get("/admin/engines", response_model=None, responses=ERRORS)
+@router.get("/admin/engines", response_model=EngineReplicaList, responses=ERRORS)
 async def get_engines(_: AdminDep, request: Request) -> Response:
     return json_response({"object": "list", "data": list((await _views(request)).values())})
 
 
-@router.get("/admin/engines/{replica:path}", response_model=None, responses=ERRORS)
+@router.get("/admin/engines/{replica:path}", response_model=EngineReplica, responses=ERRORS)
 async def get_engine(replica: str, _: AdminDep, request: Request) -> Response:
     views = await _views(request)
     if replica not in views:
@@ -121,13 +122,13 @@ async def _audited_set(
         raise await audit_refusal(sessions, error, actor=actor, action=action, target=replica) from error
 
 
-@router.post("/admin/engines/{replica:path}/drain", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/engines/{replica:path}/drain", response_model=EngineReplica, responses={**ERRORS, **CONFLICT})
 async def drain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Take a replica out of rotation; 409 for the last one in rotation or the local engine."""
     return await _audited_set(request, actor, sessions, replica, True)
 
 
-@router.post("/admin/engines/{replica:path}/undrain", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/engines/{replica:path}/undrain", response_model=EngineReplica, responses={**ERRORS, **CONFLICT})
 async def undrain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Put a drained replica back in rotation; its sessions return to it."""
     return await _audited_set(request, actor, sessions, replica, False)

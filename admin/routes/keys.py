@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
+from admin import schemas  # by module: its ApiKey is the answer, storage's the row
 from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.tenants import get_tenant
@@ -51,7 +52,7 @@ def get_api_key(session: Session, key_id: str) -> ApiKey:
     return key
 
 
-@router.post("/admin/keys", status_code=201, response_model=None, responses=ERRORS)
+@router.post("/admin/keys", status_code=201, response_model=schemas.CreatedKey, responses=ERRORS)
 async def create_key(body: CreateKey, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     def work(session: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         tenant = get_tenant(session, body.tenant)
@@ -63,7 +64,7 @@ async def create_key(body: CreateKey, actor: ActorDep, sessions: SessionsDep, re
     return json_response(created, 201)
 
 
-@router.get("/admin/keys", response_model=None, responses=ERRORS)
+@router.get("/admin/keys", response_model=schemas.ApiKeyList, responses=ERRORS)
 async def get_keys(_: AdminDep, sessions: SessionsDep, tenant: str | None = None) -> Response:
     def work(session: Session) -> list[dict[str, Any]]:
         if tenant is not None:
@@ -73,12 +74,12 @@ async def get_keys(_: AdminDep, sessions: SessionsDep, tenant: str | None = None
     return json_response({"object": "list", "data": await in_thread(read, sessions, work)})
 
 
-@router.get("/admin/keys/{key_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/keys/{key_id}", response_model=schemas.ApiKey, responses=ERRORS)
 async def get_key(key_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     return json_response(await in_thread(read, sessions, lambda session: key_view(get_api_key(session, key_id))))
 
 
-@router.delete("/admin/keys/{key_id}", response_model=None, responses=ERRORS)
+@router.delete("/admin/keys/{key_id}", response_model=schemas.ApiKey, responses=ERRORS)
 async def revoke_key(key_id: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Revoke a key (idempotent: revoking again keeps the first time)."""
 

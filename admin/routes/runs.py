@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import ActorDep, ReasonRequest, SessionsDep, audit_refusal, in_thread
 from admin.routes.pages import Limit, page
+from admin.schemas import RunDetail, RunPage
 from server.errors import ApiError
 from server.routes.deps import AdminDep, json_response
 from server.schemas import CONFLICT, ERRORS
@@ -26,7 +27,7 @@ ERROR_TAIL_CHARS = 4000  # a traceback's end says what failed; the start is fram
 RoundStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
-@router.get("/admin/runs", response_model=None, responses=ERRORS)
+@router.get("/admin/runs", response_model=RunPage, responses=ERRORS)
 async def list_runs(
     _: AdminDep,
     sessions: SessionsDep,
@@ -57,13 +58,13 @@ async def list_runs(
     return json_response(page([_summary(row) for row in rows], limit, lambda run: run["id"]))
 
 
-@router.get("/admin/runs/{round_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/runs/{round_id}", response_model=RunDetail, responses=ERRORS)
 async def get_run(round_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     view = await in_thread(_get, sessions, round_id)
     return json_response(_detail(view))
 
 
-@router.post("/admin/runs/{round_id}/cancel", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/runs/{round_id}/cancel", response_model=RunDetail, responses={**ERRORS, **CONFLICT})
 async def cancel_run(
     round_id: str, actor: ActorDep, sessions: SessionsDep, body: ReasonRequest | None = None
 ) -> Response:

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.pages import Limit, page
+from admin.schemas import DeletedSchedule, Schedule, SchedulePage, ScheduleRun
 from learner.celery_app import LearnerCelery, send_learn
 from learner.round_overrides import RoundSettingsError, check_round_settings
 from learner.schedule_slots import (
@@ -135,7 +136,7 @@ def _name_taken(name: str) -> ApiError:
     return ApiError(409, f"Another schedule is named '{name}'.", param="name", code="schedule_exists")
 
 
-@router.post("/admin/schedules", status_code=201, response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/schedules", status_code=201, response_model=Schedule, responses={**ERRORS, **CONFLICT})
 async def create(body: CreateSchedule, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     schedule_id = f"sched_{uuid.uuid4().hex[:16]}"
     fields = body.model_dump(include=set(SCHEDULE_FIELDS))
@@ -152,7 +153,7 @@ async def create(body: CreateSchedule, actor: ActorDep, sessions: SessionsDep, r
     return json_response(view, 201)
 
 
-@router.get("/admin/schedules", response_model=None, responses=ERRORS)
+@router.get("/admin/schedules", response_model=SchedulePage, responses=ERRORS)
 async def list_all(
     _: AdminDep,
     sessions: SessionsDep,
@@ -172,12 +173,12 @@ async def list_all(
     return json_response(page(await in_thread(read, sessions, work), limit, lambda schedule: schedule["id"]))
 
 
-@router.get("/admin/schedules/{schedule_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/schedules/{schedule_id}", response_model=Schedule, responses=ERRORS)
 async def show(schedule_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     return json_response(await in_thread(read, sessions, lambda session: _shown(session, _get(session, schedule_id))))
 
 
-@router.patch("/admin/schedules/{schedule_id}", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.patch("/admin/schedules/{schedule_id}", response_model=Schedule, responses={**ERRORS, **CONFLICT})
 async def edit(
     schedule_id: str, body: UpdateSchedule, actor: ActorDep, sessions: SessionsDep, request: Request
 ) -> Response:
@@ -201,7 +202,7 @@ async def edit(
     return json_response(await audited(sessions, work, actor=actor, action="schedule.update", target=schedule_id))
 
 
-@router.delete("/admin/schedules/{schedule_id}", response_model=None, responses=ERRORS)
+@router.delete("/admin/schedules/{schedule_id}", response_model=DeletedSchedule, responses=ERRORS)
 async def delete(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Response:
     """Delete a schedule and its firing history; rounds it fired keep its id. Answers it as it was."""
 
@@ -213,13 +214,13 @@ async def delete(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Re
     return json_response(await audited(sessions, work, actor=actor, action="schedule.delete", target=schedule_id))
 
 
-@router.post("/admin/schedules/{schedule_id}/enable", response_model=None, responses=ERRORS)
+@router.post("/admin/schedules/{schedule_id}/enable", response_model=Schedule, responses=ERRORS)
 async def enable(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Response:
     """Fire again from the next slot on (a slot that passed while disabled does not fire)."""
     return json_response(await _set_enabled(sessions, schedule_id, True, actor))
 
 
-@router.post("/admin/schedules/{schedule_id}/disable", response_model=None, responses=ERRORS)
+@router.post("/admin/schedules/{schedule_id}/disable", response_model=Schedule, responses=ERRORS)
 async def disable(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Response:
     """Fire no more until enabled; a round already sent still runs."""
     return json_response(await _set_enabled(sessions, schedule_id, False, actor))
@@ -234,7 +235,7 @@ async def _set_enabled(sessions: sessionmaker[Session], schedule_id: str, enable
     return await audited(sessions, work, actor=actor, action=action, target=schedule_id)
 
 
-@router.post("/admin/schedules/{schedule_id}/run", status_code=202, response_model=None, responses=ERRORS)
+@router.post("/admin/schedules/{schedule_id}/run", status_code=202, response_model=ScheduleRun, responses=ERRORS)
 async def run_now(schedule_id: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Send a round now with the schedule's round settings (trigger "manual"), enabled or not.
 

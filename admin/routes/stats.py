@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from admin.deps import SessionsDep, in_thread
+from admin.schemas import RatedVersionList
 from server.routes.deps import AdminDep, json_response
 from server.schemas import ERRORS
 from storage.rating_trend import VersionRating, rating_trend
@@ -16,7 +17,7 @@ from storage.rating_trend import VersionRating, rating_trend
 router = APIRouter()
 
 
-@router.get("/admin/stats/ratings", response_model=None, responses=ERRORS)
+@router.get("/admin/stats/ratings", response_model=RatedVersionList, responses=ERRORS)
 async def ratings(
     _: AdminDep, sessions: SessionsDep, model: Annotated[str | None, Query(max_length=256)] = None
 ) -> Response:

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
+from admin import schemas  # by module: its Tenant is the answer, storage's the row
 from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from server.errors import ApiError
@@ -44,7 +45,7 @@ def get_tenant(session: Session, tenant_id: str) -> Tenant:
     return tenant
 
 
-@router.post("/admin/tenants", status_code=201, response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/tenants", status_code=201, response_model=schemas.Tenant, responses={**ERRORS, **CONFLICT})
 async def create_tenant(body: CreateTenant, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     name = body.name or body.id
 
@@ -59,7 +60,7 @@ async def create_tenant(body: CreateTenant, actor: ActorDep, sessions: SessionsD
     return json_response(created, 201)
 
 
-@router.get("/admin/tenants", response_model=None, responses=ERRORS)
+@router.get("/admin/tenants", response_model=schemas.TenantList, responses=ERRORS)
 async def get_tenants(_: AdminDep, sessions: SessionsDep) -> Response:
     def work(session: Session) -> list[dict[str, Any]]:
         active = count_active_keys_by_tenant(session)
@@ -68,7 +69,7 @@ async def get_tenants(_: AdminDep, sessions: SessionsDep) -> Response:
     return json_response({"object": "list", "data": await in_thread(read, sessions, work)})
 
 
-@router.get("/admin/tenants/{tenant_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/tenants/{tenant_id}", response_model=schemas.Tenant, responses=ERRORS)
 async def get_one_tenant(tenant_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     def work(session: Session) -> dict[str, Any]:
         tenant = get_tenant(session, tenant_id)
@@ -77,7 +78,7 @@ async def get_one_tenant(tenant_id: str, _: AdminDep, sessions: SessionsDep) -> 
     return json_response(await in_thread(read, sessions, work))
 
 
-@router.post("/admin/tenants/{tenant_id}/revoke", response_model=None, responses=ERRORS)
+@router.post("/admin/tenants/{tenant_id}/revoke", response_model=schemas.RevokedTenant, responses=ERRORS)
 async def revoke_tenant(tenant_id: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
     """Revoke every active key of the tenant; its data stays."""
 

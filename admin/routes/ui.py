@@ -30,12 +30,12 @@ HEADERS = {
 }
 
 
-@router.get("/admin/ui", include_in_schema=False)
+@router.get("/admin/ui", include_in_schema=False, response_class=FileResponse)
 async def page() -> FileResponse:
     return FileResponse(UI_DIR / "index.html", media_type="text/html; charset=utf-8", headers=HEADERS)
 
 
-@router.get("/admin/ui/{name}", include_in_schema=False)
+@router.get("/admin/ui/{name}", include_in_schema=False, response_class=FileResponse)
 async def asset(name: str) -> FileResponse:
     if name not in ASSETS:
         raise ApiError(404, f"No dashboard file '{name}'.", code="not_found")

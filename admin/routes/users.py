@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
 from admin.routes.tenants import get_tenant
+from admin.schemas import UserDataDeletion, UserDataExport
 from server.errors import ApiError
 from server.routes.deps import NUL_ALLOWED, AdminDep, json_response
 from server.schemas import ERRORS
@@ -43,7 +44,7 @@ User = Annotated[
 Tenant = Annotated[str, Query(min_length=1, max_length=64, description="The end user's tenant.")]
 
 
-@router.get(DATA_PATH, response_model=None, responses=ERRORS)
+@router.get(DATA_PATH, response_model=UserDataExport, responses=ERRORS)
 async def export_data(
     user: User, _: AdminDep, sessions: SessionsDep, request: Request, tenant: Tenant = DEFAULT_TENANT_ID
 ) -> Response:
@@ -69,7 +70,7 @@ async def export_data(
     return json_response(await in_thread(read, sessions, work))
 
 
-@router.delete(DATA_PATH, response_model=None, responses=ERRORS)
+@router.delete(DATA_PATH, response_model=UserDataDeletion, responses=ERRORS)
 async def delete_data(
     user: User, actor: ActorDep, sessions: SessionsDep, request: Request, tenant: Tenant = DEFAULT_TENANT_ID
 ) -> Response:

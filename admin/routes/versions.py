@@ -18,8 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import ActorDep, ReasonRequest, SessionsDep, audit_refusal, in_thread
 from admin.routes.pages import Limit, page
+from admin.schemas import ModelVersionDetail, ModelVersionPage
 from server.engines.base import EngineError
 from server.errors import ApiError
+from server.response_models import RolledOut
 from server.routes.deps import AdminDep, WeightsDep, json_response
 from server.schemas import CONFLICT, ERRORS
 from storage.audit import record_admin_action
@@ -48,7 +50,7 @@ ALLOWED: dict[Action, dict[str, str | None]] = {
 }
 
 
-@router.get("/admin/models", response_model=None, responses=ERRORS)
+@router.get("/admin/models", response_model=ModelVersionPage, responses=ERRORS)
 async def list_versions(
     _: AdminDep,
     sessions: SessionsDep,
@@ -71,7 +73,7 @@ async def list_versions(
     return json_response(page(rows, limit, lambda version: version["id"]))
 
 
-@router.get("/admin/models/{version_id}", response_model=None, responses=ERRORS)
+@router.get("/admin/models/{version_id}", response_model=ModelVersionDetail, responses=ERRORS)
 async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
     def read() -> dict[str, Any]:
         with sessions() as session:
@@ -84,7 +86,7 @@ async def get_version_detail(version_id: str, _: AdminDep, sessions: SessionsDep
         raise _not_found(exc) from exc
 
 
-@router.post("/admin/models/{version_id}/promote", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/models/{version_id}/promote", response_model=RolledOut, responses={**ERRORS, **CONFLICT})
 async def promote(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:
@@ -92,7 +94,7 @@ async def promote(
     return await _swap("promote", version_id, actor, sessions, weights, body)
 
 
-@router.post("/admin/models/{version_id}/rollback", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/models/{version_id}/rollback", response_model=RolledOut, responses={**ERRORS, **CONFLICT})
 async def rollback(
     version_id: str, actor: ActorDep, sessions: SessionsDep, weights: WeightsDep, body: ReasonRequest | None = None
 ) -> Response:

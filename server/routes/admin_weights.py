@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from server.response_models import DistributedPlan, RolledOut, ServingWeights
 from server.routes.deps import AdminDep, DistributedDep, WeightsDep, json_response
 from server.schemas import CONFLICT, ERRORS
 
@@ -75,12 +76,12 @@ class RollOutRequest(BaseModel):
         return self
 
 
-@router.get("/admin/weights", response_model=None, responses=ERRORS)
+@router.get("/admin/weights", response_model=ServingWeights, responses=ERRORS)
 async def get_weights(_: AdminDep, service: WeightsDep) -> Response:
     return json_response(await service.serving())
 
 
-@router.post("/admin/weights", response_model=None, responses={**ERRORS, **CONFLICT})
+@router.post("/admin/weights", response_model=RolledOut | DistributedPlan, responses={**ERRORS, **CONFLICT})
 async def roll_out_weights(
     body: RollOutRequest, _: AdminDep, service: WeightsDep, distributed: DistributedDep
 ) -> Response:

@@ -9,8 +9,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from server.auth import CurrentIdentity
 from server.rate_limits import Admitted
+from server.response_models import ChatCompletion
 from server.routes.deps import ChatDep, LogFields, json_response
-from server.schemas import ERRORS, ChatCompletion, ChatCompletionRequest
+from server.schemas import ERRORS, ChatCompletionRequest
 
 router = APIRouter()
 
@@ -19,8 +20,14 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @router.post(
     "/v1/chat/completions",
-    response_model=None,
-    responses={200: {"model": ChatCompletion, "description": "A completion, or an SSE stream"}, **ERRORS},
+    response_model=ChatCompletion,
+    responses={
+        200: {
+            "description": "A completion, or with stream true an SSE stream of chat.completion.chunk events",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **ERRORS,
+    },
 )
 async def create_chat_completion(
     body: ChatCompletionRequest,

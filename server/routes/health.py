@@ -6,12 +6,17 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from server.errors import error_response
+from server.response_models import ErrorResponse, Health
 from server.routes.deps import ChatDep, json_response
 
 router = APIRouter()
 
 
-@router.get("/health", response_model=None)
+@router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": ErrorResponse, "description": "The engine is not ready"}},
+)
 async def health(service: ChatDep) -> Response:
     if not await service.engine.health():
         return error_response(503, "The engine is not ready.")

@@ -5,8 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.metrics import scrape
-from server.prometheus import CONTENT_TYPE
+from server.metrics import CONTENT_TYPE, scrape
 from server.routes.deps import AdminDep
 from server.schemas import ERRORS
 

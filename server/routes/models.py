@@ -6,12 +6,13 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from server.auth import CurrentIdentity
+from server.response_models import ModelList
 from server.routes.deps import ChatDep, json_response
-from server.schemas import ERRORS, ModelList
+from server.schemas import ERRORS
 
 router = APIRouter()
 
 
-@router.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **ERRORS})
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(_: CurrentIdentity, service: ChatDep) -> Response:
     return json_response(service.models())

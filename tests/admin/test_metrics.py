@@ -15,9 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_server import create_engine_app
+from server.metrics import GatewayMetrics
 from storage.db import make_engine, make_session_factory
 from storage.rounds import finish_round, start_round
 from storage.times import utcnow
@@ -302,3 +304,13 @@ def test_engine_health_and_drain_follow_the_pool(pool: tuple[Gateway, dict[str, 
 def test_every_promised_family_is_declared(gateway: Gateway) -> None:
     """Each by name and type, series or not yet (the tests above assert a change of each one's value)."""
     assert {name: scrape(gateway)[1].get(name) for name in FAMILIES} == FAMILIES
+
+
+def test_a_database_outage_reports_database_up_zero_and_no_rounds() -> None:
+    """What a scrape renders when the rounds could not be read (``ScrapeState.rounds`` None)."""
+    metrics = GatewayMetrics()
+    metrics.state.replicas, metrics.state.rounds = [], None
+    samples, types = parse(generate_latest(metrics.registry).decode())
+    assert samples[("tandem_database_up", ())] == 0
+    assert types["tandem_database_up"] == "gauge"
+    assert "tandem_rounds" not in types and "tandem_round_duration_seconds" not in types
