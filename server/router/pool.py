@@ -25,14 +25,14 @@ from server.engines.base import (
 )
 from server.engines.sglang_client import SGLangClient
 from server.engines.supervisor import Supervisor
-from server.router.config import PoolConfig, RoutingPolicy
+from server.router.config import PoolConfig
 from server.router.health import HealthMonitor
 from server.router.placement import Placement
 from server.router.replica import Replica
 from server.router.rolling import RollingUpdater, from_disk
 from server.weight_delta import WeightDelta
 
-__all__ = ["EnginePool", "PoolConfig", "RoutingPolicy"]
+__all__ = ["EnginePool", "PoolConfig"]  # PoolConfig lives in config.py; importable from here as before
 
 log = logging.getLogger(__name__)
 
