@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated, Any, cast, get_args
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from server.engines.base import EngineError
+from server.engines.base import EngineError, PauseMode
 from server.engines.local.weights import WeightLoadError
 from server.engines.sglang_protocol import flag
 from server.engines.sglang_service import EngineService, GenerateResult
@@ -198,9 +198,9 @@ async def weights_checksum(service: ServiceDep) -> Response:
 async def pause_generation(request: Request, service: ServiceDep) -> Response:
     body = orjson.loads(await request.body() or b"{}")
     mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-    if mode not in ("abort", "retract", "in_place"):
+    if mode not in get_args(PauseMode):
         return _error("mode must be one of abort, retract, in_place")
-    await service.pause(mode)
+    await service.pause(cast(PauseMode, mode))  # checked just above
     return _json({"message": "Generation paused successfully."})
 
 
