@@ -19,6 +19,7 @@ from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.conversation_log import ConversationLog
 from server.distributed_rollout import DistributedRollouts
+from server.engine_admin import EngineAdmin
 from server.engines.base import Engine
 from server.engines.factory import open_engine
 from server.errors import install_error_handlers
@@ -171,6 +172,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             app.state.distributed = DistributedRollouts(app.state.weights, serving)
             stack.push_async_callback(app.state.distributed.close)
             app.state.engine = serving
+            app.state.engine_admin = EngineAdmin(serving, metrics)  # admin's only way to change serving state
             app.state.sessions = sessions
             app.state.rollouts = RolloutService(
                 serving, tokenizer, chat.renderer, settings.server.rollout_max_concurrency

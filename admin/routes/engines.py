@@ -4,30 +4,30 @@ A drained replica finishes what it has and takes no new requests while another r
 them; its sessions move to the next replica on the ring and come back when it is undrained. The
 in-process local engine is a single replica, which cannot be drained (nothing could take its traffic).
 Replicas are named by their URL (``http://host:port``), which goes into the path as it is.
+Every change goes through the server's EngineAdmin (server.engine_admin), which owns the pool.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from admin.deps import ActorDep, SessionsDep, audit_refusal, in_thread
 from admin.schemas import EngineReplica, EngineReplicaList
-from server.engine_status import ReplicaState, replica_states
+from server.engine_admin import EngineAdmin
+from server.engine_status import ReplicaState
 from server.errors import ApiError
-from server.metrics import GatewayMetrics
-from server.router.pool import EnginePool
-from server.routes.deps import AdminDep, json_response
+from server.routes.deps import AdminDep, EngineAdminDep, json_response
 from server.schemas import CONFLICT, ERRORS
 from storage.audit import record_admin_action
 
 router = APIRouter()
 
 
-def replica_view(state: ReplicaState, metrics: GatewayMetrics) -> dict[str, Any]:
+def replica_view(state: ReplicaState, engines: EngineAdmin) -> dict[str, Any]:
     return {
         "id": state.name,
         "object": "engine_replica",
@@ -36,35 +36,19 @@ def replica_view(state: ReplicaState, metrics: GatewayMetrics) -> dict[str, Any]
         "updating_weights": state.updating,
         "weight_version": state.weight_version,
         "in_flight": state.in_flight,
-        "cache_hit_ratio": metrics.cache_hit_ratio(state.name),
+        "cache_hit_ratio": engines.cache_hit_ratio(state.name),
     }
 
 
-async def _views(request: Request) -> dict[str, dict[str, Any]]:
-    metrics = request.app.state.metrics
-    return {s.name: replica_view(s, metrics) for s in await replica_states(request.app.state.engine)}
-
-
-def _not_found(name: str, known: list[str]) -> ApiError:
-    return ApiError(
-        404,
-        f"No engine replica '{name}'; the replicas are: {', '.join(known)}.",
-        param="replica",
-        code="replica_not_found",
-    )
-
-
 @router.get("/admin/engines", response_model=EngineReplicaList, responses=ERRORS)
-async def get_engines(_: AdminDep, request: Request) -> Response:
-    return json_response({"object": "list", "data": list((await _views(request)).values())})
+async def get_engines(_: AdminDep, engines: EngineAdminDep) -> Response:
+    views = [replica_view(state, engines) for state in await engines.replicas()]
+    return json_response({"object": "list", "data": views})
 
 
 @router.get("/admin/engines/{replica:path}", response_model=EngineReplica, responses=ERRORS)
-async def get_engine(replica: str, _: AdminDep, request: Request) -> Response:
-    views = await _views(request)
-    if replica not in views:
-        raise _not_found(replica, list(views))
-    return json_response(views[replica])
+async def get_engine(replica: str, _: AdminDep, engines: EngineAdminDep) -> Response:
+    return json_response(replica_view(await engines.replica(replica), engines))
 
 
 async def _audit(
@@ -77,58 +61,29 @@ async def _audit(
     await in_thread(write)
 
 
-async def _set_drained(
-    request: Request, actor: str, sessions: sessionmaker[Session], replica: str, drained: bool
-) -> Response:
-    engine = request.app.state.engine
-    action = "engine.drain" if drained else "engine.undrain"
-    if not isinstance(engine, EnginePool):
-        views = await _views(request)
-        if replica not in views:
-            raise _not_found(replica, list(views))
-        raise ApiError(
-            409,
-            f"{replica} is the in-process engine, the only replica: draining it would leave nothing to serve.",
-            param="replica",
-            code="cannot_drain",
-        )
-    if replica not in engine.replicas:
-        raise _not_found(replica, list(engine.replicas))
-    before = engine.replicas[replica].drained
-    try:
-        if drained:
-            engine.drain(replica)
-        else:
-            engine.undrain(replica)
-    except ValueError as exc:
-        raise ApiError(409, str(exc), param="replica", code="cannot_drain") from exc
-    try:
-        await _audit(sessions, actor, action, replica, {"was_drained": before})
-    except ApiError:  # the database is away: no unaudited effect, put it back as it was
-        engine.replicas[replica].drained = before
-        raise
-    return json_response((await _views(request))[replica])
-
-
 async def _audited_set(
-    request: Request, actor: str, sessions: sessionmaker[Session], replica: str, drained: bool
+    engines: EngineAdmin, actor: str, sessions: sessionmaker[Session], replica: str, drained: bool
 ) -> Response:
+    """Drain or undrain, audited; a refusal (4xx) is audited too. An audit that cannot be written
+    (the database is away) undoes the change: no unaudited effect."""
+    action = "engine.drain" if drained else "engine.undrain"
     try:
-        return await _set_drained(request, actor, sessions, replica, drained)
+        with engines.set_drained(replica, drained) as before:
+            await _audit(sessions, actor, action, replica, {"was_drained": before})
     except ApiError as error:
         if not 400 <= error.status < 500:
             raise
-        action = "engine.drain" if drained else "engine.undrain"
         raise await audit_refusal(sessions, error, actor=actor, action=action, target=replica) from error
+    return json_response(replica_view(await engines.replica(replica), engines))
 
 
 @router.post("/admin/engines/{replica:path}/drain", response_model=EngineReplica, responses={**ERRORS, **CONFLICT})
-async def drain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
+async def drain(replica: str, actor: ActorDep, sessions: SessionsDep, engines: EngineAdminDep) -> Response:
     """Take a replica out of rotation; 409 for the last one in rotation or the local engine."""
-    return await _audited_set(request, actor, sessions, replica, True)
+    return await _audited_set(engines, actor, sessions, replica, True)
 
 
 @router.post("/admin/engines/{replica:path}/undrain", response_model=EngineReplica, responses={**ERRORS, **CONFLICT})
-async def undrain(replica: str, actor: ActorDep, sessions: SessionsDep, request: Request) -> Response:
+async def undrain(replica: str, actor: ActorDep, sessions: SessionsDep, engines: EngineAdminDep) -> Response:
     """Put a drained replica back in rotation; its sessions return to it."""
-    return await _audited_set(request, actor, sessions, replica, False)
+    return await _audited_set(engines, actor, sessions, replica, False)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 from server.engines.sglang_client import SGLangClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -32,3 +35,15 @@ class Replica:
     @property
     def eligible(self) -> bool:
         return self.healthy and not self.draining and not self.drained
+
+    def admit(self) -> None:
+        """Back in rotation (it passed its probes and serves the pool's weights)."""
+        self.healthy = True
+        self.ejected.clear()
+
+    def eject(self, reason: str) -> None:
+        """Out of rotation until it passes its probes again; buffered requests on it move elsewhere."""
+        self.healthy = False
+        self.passed_probes = 0
+        self.ejected.set()
+        log.warning("engine replica out of rotation", extra={"replica": self.name, "reason": reason})

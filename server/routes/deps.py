@@ -19,6 +19,7 @@ from server.auth import CurrentIdentity, Identity, current_identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.distributed_rollout import DistributedRollouts
+from server.engine_admin import EngineAdmin
 from server.errors import ApiError
 from server.rollouts import RolloutService
 from server.schemas import NUL_REFUSED
@@ -49,6 +50,10 @@ async def _rollouts(request: Request) -> RolloutService:
     return request.app.state.rollouts
 
 
+async def _engine_admin(request: Request) -> EngineAdmin:
+    return request.app.state.engine_admin
+
+
 async def require_admin(identity: CurrentIdentity) -> Identity:
     if not identity.admin:
         raise ApiError(403, "This endpoint needs the admin key (TANDEM_ADMIN_KEY).", code="admin_required")
@@ -67,6 +72,7 @@ CompletionsDep = Annotated[CompletionService, Depends(_completions)]
 WeightsDep = Annotated[WeightService, Depends(_weights)]
 DistributedDep = Annotated[DistributedRollouts, Depends(_distributed)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
+EngineAdminDep = Annotated[EngineAdmin, Depends(_engine_admin)]
 AdminDep = Annotated[Identity, Depends(require_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 
