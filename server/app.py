@@ -20,8 +20,8 @@ from server.completions import CompletionService
 from server.conversation_log import ConversationLog
 from server.distributed_rollout import DistributedRollouts
 from server.engine_admin import EngineAdmin
+from server.engine_factory import open_engine
 from server.engines.base import Engine
-from server.engines.factory import open_engine
 from server.errors import install_error_handlers
 from server.metrics import GatewayMetrics, MetricsMiddleware
 from server.rate_limits import ReleaseAdmissions, RequestLimiter, limiter_for

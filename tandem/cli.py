@@ -106,7 +106,7 @@ def engine_command(
     weight_version: Annotated[str, typer.Option(help="Initial weight version label.")] = "default",
 ) -> None:
     """Run the local engine as its own process, answering SGLang's native HTTP API."""
-    from server.engines.factory import open_local_engine
+    from server.engine_factory import open_local_engine
     from server.engines.sglang_server import create_engine_app
     from tandem.models import resolve_model
 

@@ -17,7 +17,7 @@ from sqlalchemy import create_engine, text
 
 from server.app import create_app
 from server.cache_scope import cache_salt, engine_session_key
-from server.engines.factory import open_engine
+from server.engine_factory import open_engine
 from server.router.affinity import HashRing
 from server.router.pool import EnginePool
 from storage.tenants import DEFAULT_TENANT_ID
