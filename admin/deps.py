@@ -15,14 +15,15 @@ from server.routes.deps import AdminDep
 from storage.audit import record_admin_action
 
 
-async def _actor(request: Request, _: AdminDep) -> str:
+async def _actor(request: Request, admin: AdminDep) -> str:
     """Who acts, for the audit log: a fingerprint of the admin key (never the key itself)."""
-    _, _, key = (request.headers.get("authorization") or "").partition(" ")
+    _scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
     return "admin:" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
 
 
 async def _sessions(request: Request) -> sessionmaker[Session]:
-    return request.app.state.sessions
+    sessions: sessionmaker[Session] = request.app.state.sessions  # set by the server's lifespan
+    return sessions
 
 
 ActorDep = Annotated[str, Depends(_actor)]

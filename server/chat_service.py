@@ -17,6 +17,7 @@ from server.auth import Identity
 from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState, TokenText
 from server.conversation_log import ConversationLog
+from server.detokenizer import decode_text
 from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
 from server.errors import ApiError
 from server.prompt import PromptRenderer
@@ -112,9 +113,7 @@ class ChatService:
         self.model_name = info.served_model_name
         self.renderer = PromptRenderer(tokenizer, info.context_length)
         end_ids = {*info.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
-        self.turns = SessionTurns(
-            self.renderer.render_closed, lambda ids: tokenizer.decode(ids, skip_special_tokens=False), end_ids
-        )
+        self.turns = SessionTurns(self.renderer.render_closed, lambda ids: decode_text(tokenizer, ids), end_ids)
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
         self.log = log

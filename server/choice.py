@@ -7,7 +7,7 @@ from typing import Any
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
-from server.detokenizer import IncrementalDetokenizer
+from server.detokenizer import IncrementalDetokenizer, decode_text
 from server.engines.base import Finish, TokenChunk
 from storage.records import ChoiceRecord, WeightSpan
 
@@ -106,7 +106,7 @@ class ChoiceState:
             if self._detok is not None:
                 self._detok.flush()
             else:
-                self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+                self._text = decode_text(self._tokenizer, self.token_ids, skip_special_tokens=True)
         if self._detok is not None:
             self._text = self._detok.text
         return self._release(final=chunk.finish is not None)
@@ -159,7 +159,7 @@ class TokenText:
             if isinstance(piece, str) and all(c in self._byte_decoder for c in piece):
                 raw = bytes(self._byte_decoder[c] for c in piece)
         if raw is None:
-            raw = self._tokenizer.decode([token_id]).encode()
+            raw = decode_text(self._tokenizer, [token_id]).encode()
         entry = (raw.decode(errors="replace"), list(raw))
         self._cache[token_id] = entry
         return entry

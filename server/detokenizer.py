@@ -6,11 +6,21 @@ decodes to whole characters; decoding a short window (not the whole output) keep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 
 class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    # transformers types decode's result as str | list[str]; one sequence of ids gives one string.
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: Decoder, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of token ids."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"decode gave {type(text).__name__} for one sequence of ids")
+    return text
 
 
 # Tokens decoded before the unread ones, so that merges and leading spaces come out right.
@@ -27,7 +37,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return decode_text(self._tokenizer, ids, skip_special_tokens=self._skip_special)
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the text they complete (may be empty while a character is split)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -50,7 +51,9 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_payload(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_payload(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, Any]]:
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
@@ -124,9 +127,9 @@ def allowed_methods(request: Request) -> str:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    headers = exc.headers
+    headers = dict(exc.headers or {})
     if exc.status_code == 405:
-        headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        headers["Allow"] = allowed_methods(request)
     return error_response(exc.status_code, str(exc.detail), headers=headers)
 
 
@@ -143,8 +146,13 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI, authenticate: Authenticate | None = None) -> None:
     """OpenAI-shaped answers for every error; with ``authenticate``, a request that fails validation is
     authenticated first, so a caller without a valid key learns nothing about the input (401, not 400)."""
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error(authenticate))
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(EngineError, _engine_error)
-    app.add_exception_handler(Exception, _unexpected)
+    # Starlette types every handler as taking Exception; each is registered for its own exception type.
+    handlers: list[tuple[type[Exception], Any]] = [
+        (ApiError, _api_error),
+        (RequestValidationError, _validation_error(authenticate)),
+        (StarletteHTTPException, _http_error),
+        (EngineError, _engine_error),
+        (Exception, _unexpected),
+    ]
+    for kind, handler in handlers:
+        app.add_exception_handler(kind, handler)

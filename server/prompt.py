@@ -49,7 +49,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self._template = tokenizer.get_chat_template()
-        self._template_vars = dict(tokenizer.special_tokens_map)
+        self._template_vars: dict[str, Any] = dict(tokenizer.special_tokens_map)  # bos_token and the like
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._control = tuple(token.content for token in tokenizer.added_tokens_decoder.values())
         # More characters than this cannot fit the context, whatever they are: refused before the
@@ -67,13 +67,15 @@ class PromptRenderer:
             if self._backend is not None and not any(token in blob for token in self._control):
                 # The common case, no control token typed by the user: render and encode directly,
                 # the same ids as apply_chat_template at a third of its cost.
-                (text,), _ = render_jinja_template(
+                # (texts, generation indices); transformers' annotation says str.
+                rendered: tuple[list[str], Any] = render_jinja_template(  # type: ignore[assignment]
                     conversations=[conversation],
                     chat_template=self._template,
                     add_generation_prompt=generation_prompt,
                     **self._template_vars,
                 )
-                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+                encoded: list[int] = self._backend.encode_batch(rendered[0], add_special_tokens=False)[0].ids
+                return encoded
             ids = self.tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=generation_prompt,

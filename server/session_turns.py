@@ -23,14 +23,14 @@ Conversation = list[dict[str, Any]]
 @dataclass(frozen=True, slots=True)
 class Reply:
     text: str  # what the client saw, and will send back as the assistant message
-    token_ids: array  # as generated, ending with the end-of-turn token when the model stopped itself
+    token_ids: array[int]  # as generated, ending with the end-of-turn token when the model stopped itself
 
 
 @dataclass(frozen=True, slots=True)
 class Turn:
     conversation: Conversation  # the messages the prompt was rendered from
-    prompt_ids: array  # what the engine got (itself spliced when the turn before was)
-    rendered_ids: array  # the template's plain rendering of ``conversation``
+    prompt_ids: array[int]  # what the engine got (itself spliced when the turn before was)
+    rendered_ids: array[int]  # the template's plain rendering of ``conversation``
     replies: tuple[Reply, ...]  # one per choice
 
     @property

@@ -6,6 +6,8 @@ do. Runs in the caller's transaction.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import ColumnElement, Select, Table, and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -14,7 +16,9 @@ from storage.learning_errors import NotFoundError
 __all__ = ["newest_first"]
 
 
-def newest_first(query: Select, table: Table, session: Session, *, before: str | None, limit: int, what: str) -> Select:
+def newest_first(
+    query: Select[Any], table: Table, session: Session, *, before: str | None, limit: int, what: str
+) -> Select[Any]:
     """``query`` ordered newest first, limited, from the row after ``before`` (an id of ``table``).
 
     Raises:

@@ -25,7 +25,8 @@ router = APIRouter()
 
 
 async def _service(request: Request) -> EngineService:
-    return request.app.state.engine_service
+    service: EngineService = request.app.state.engine_service  # set by the app's lifespan
+    return service
 
 
 ServiceDep = Annotated[EngineService, Depends(_service)]

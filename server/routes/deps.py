@@ -5,8 +5,8 @@ All are ``async def``: FastAPI runs plain ``def`` dependencies in a thread pool,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import Depends, Request
@@ -25,33 +25,23 @@ from server.rollouts import RolloutService
 from server.schemas import NUL_REFUSED
 from server.weights import WeightService
 
+T = TypeVar("T")
+
 NUL_ALLOWED = "x-nul-allowed"
 """``json_schema_extra`` key of a path or query parameter that may hold NUL (stored NUL-safe, like an
 end user id); ``refuse_nul_in_url`` refuses NUL in every other one."""
 
 
-async def _chat(request: Request) -> ChatService:
-    return request.app.state.chat
+def app_state(kind: type[T], name: str) -> Callable[[Request], Awaitable[T]]:
+    """A dependency handing out the service the app keeps as ``app.state.<name>`` (set at start-up)."""
 
+    async def get(request: Request) -> T:
+        service = getattr(request.app.state, name)
+        if not isinstance(service, kind):
+            raise TypeError(f"app.state.{name} is a {type(service).__name__}, not a {kind.__name__}")
+        return service
 
-async def _completions(request: Request) -> CompletionService:
-    return request.app.state.completions
-
-
-async def _weights(request: Request) -> WeightService:
-    return request.app.state.weights
-
-
-async def _distributed(request: Request) -> DistributedRollouts:
-    return request.app.state.distributed
-
-
-async def _rollouts(request: Request) -> RolloutService:
-    return request.app.state.rollouts
-
-
-async def _engine_admin(request: Request) -> EngineAdmin:
-    return request.app.state.engine_admin
+    return get
 
 
 async def require_admin(identity: CurrentIdentity) -> Identity:
@@ -67,12 +57,12 @@ async def log_fields(request: Request) -> dict[str, Any]:
     return fields
 
 
-ChatDep = Annotated[ChatService, Depends(_chat)]
-CompletionsDep = Annotated[CompletionService, Depends(_completions)]
-WeightsDep = Annotated[WeightService, Depends(_weights)]
-DistributedDep = Annotated[DistributedRollouts, Depends(_distributed)]
-RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
-EngineAdminDep = Annotated[EngineAdmin, Depends(_engine_admin)]
+ChatDep = Annotated[ChatService, Depends(app_state(ChatService, "chat"))]
+CompletionsDep = Annotated[CompletionService, Depends(app_state(CompletionService, "completions"))]
+WeightsDep = Annotated[WeightService, Depends(app_state(WeightService, "weights"))]
+DistributedDep = Annotated[DistributedRollouts, Depends(app_state(DistributedRollouts, "distributed"))]
+RolloutsDep = Annotated[RolloutService, Depends(app_state(RolloutService, "rollouts"))]
+EngineAdminDep = Annotated[EngineAdmin, Depends(app_state(EngineAdmin, "engine_admin"))]
 AdminDep = Annotated[Identity, Depends(require_admin)]
 LogFields = Annotated[dict[str, Any], Depends(log_fields)]
 
