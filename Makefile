@@ -18,4 +18,5 @@ serve: setup
 test: setup-dev sglang-env
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
+	.venv/bin/mypy server storage admin learner tandem migrations
 	.venv/bin/pytest -q
