@@ -6,10 +6,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
+from limits.aio.strategies import MovingWindowRateLimiter
+from sqlalchemy import Engine as SqlEngine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from migrations.migrate import upgrade
@@ -118,6 +122,99 @@ def _load_tokenizer(settings: Settings, engine: Engine) -> PreTrainedTokenizerBa
     return AutoTokenizer.from_pretrained(path)
 
 
+@dataclass(frozen=True, slots=True)
+class _Given:
+    """What a caller (a test, `tandem serve`) may hand in instead of having it opened at start-up."""
+
+    engine: Engine | None
+    log: ConversationLog | None
+    model_path: Path | None
+
+
+@asynccontextmanager
+async def _database(settings: Settings) -> AsyncIterator[tuple[SqlEngine, sessionmaker[Session]]]:
+    """The migrated database (or one still migrating in the background) and its sessions."""
+    url = settings.resolved_database_url
+    migrating = await _migrate(url)
+    db = make_engine(
+        url,
+        sqlite_sync_every_commit=settings.storage.journal_fsync == "always",
+        statement_timeout_s=settings.storage.statement_timeout_s,
+    )
+    try:
+        yield db, make_session_factory(db)
+    finally:
+        if migrating is not None:
+            migrating.cancel()
+        db.dispose()
+
+
+async def _start_services(
+    app: FastAPI,
+    settings: Settings,
+    stack: AsyncExitStack,
+    db: SqlEngine,
+    sessions: sessionmaker[Session],
+    given: _Given,
+    metrics: GatewayMetrics,
+) -> Engine:
+    """Open the log and the engine, build every service on ``app.state``; ``stack`` closes them."""
+    log = given.log
+    if log is None:
+        storage = settings.storage
+        log = ConversationLog(
+            db,
+            storage.journal_dir,
+            fsync=storage.journal_fsync,
+            fsync_interval_s=storage.journal_fsync_interval_s,
+            flush_interval_s=storage.log_flush_interval_s,
+            batch_size=storage.log_batch_size,
+        )
+        await log.start()
+        stack.push_async_callback(log.close)
+    serving = given.engine
+    if serving is None:
+        serving = await open_engine(settings, given.model_path)
+        stack.push_async_callback(serving.close)
+    tokenizer = await asyncio.to_thread(_load_tokenizer, settings, serving)
+    chat = ChatService(serving, tokenizer, log)
+    stack.push_async_callback(chat.close)
+    state = app.state
+    state.chat = chat
+    state.completions = CompletionService(log, sessions)
+    state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
+    state.distributed = DistributedRollouts(state.weights, serving)
+    stack.push_async_callback(state.distributed.close)
+    state.engine = serving
+    state.engine_admin = EngineAdmin(serving, metrics)  # admin's only way to change serving state
+    state.sessions = sessions
+    state.rollouts = RolloutService(serving, tokenizer, chat.renderer, settings.server.rollout_max_concurrency)
+    windows = limiter_for(settings.learner.redis_url, settings.learner.redis_key_prefix)
+    state.limits = RequestLimiter(windows, _default_tenant_limits(settings))
+    state.auth = _authenticator(settings, sessions, windows)
+    stack.callback(state.auth.close)
+    return serving
+
+
+def _authenticator(
+    settings: Settings, sessions: sessionmaker[Session], windows: MovingWindowRateLimiter
+) -> Authenticator:
+    server = settings.server
+    return Authenticator(
+        sessions,
+        admin_key=server.admin_key.get_secret_value() if server.admin_key else None,
+        loopback=server.binds_loopback,
+        internal_key=server.internal_admin_key.get_secret_value() if server.internal_admin_key else None,
+        policy=AuthPolicy(
+            key_ttl_s=server.auth_key_ttl_s,
+            key_stale_s=server.auth_key_stale_s,
+            lookup_timeout_s=server.auth_lookup_timeout_s,
+            failures_per_minute=server.auth_failures_per_minute,
+        ),
+        failure_limiter=windows,
+    )
+
+
 def create_app(settings: Settings, *, engine: Engine | None = None, log: ConversationLog | None = None) -> FastAPI:
     """The FastAPI app; the engine and the conversation log are opened at startup unless given.
 
@@ -135,66 +232,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        url = settings.resolved_database_url
-        migrating = await _migrate(url)
-        db = make_engine(
-            url,
-            sqlite_sync_every_commit=settings.storage.journal_fsync == "always",
-            statement_timeout_s=settings.storage.statement_timeout_s,
-        )
-        sessions = make_session_factory(db)
-        async with AsyncExitStack() as stack:
-            stack.callback(db.dispose)
-            if migrating is not None:
-                stack.callback(migrating.cancel)
-            conversation_log = log
-            if conversation_log is None:
-                conversation_log = ConversationLog(
-                    db,
-                    settings.storage.journal_dir,
-                    fsync=settings.storage.journal_fsync,
-                    fsync_interval_s=settings.storage.journal_fsync_interval_s,
-                    flush_interval_s=settings.storage.log_flush_interval_s,
-                    batch_size=settings.storage.log_batch_size,
-                )
-                await conversation_log.start()
-                stack.push_async_callback(conversation_log.close)
-            serving = engine
-            if serving is None:
-                serving = await open_engine(settings, model_path)
-                stack.push_async_callback(serving.close)
-            tokenizer = await asyncio.to_thread(_load_tokenizer, settings, serving)
-            chat = ChatService(serving, tokenizer, conversation_log)
-            stack.push_async_callback(chat.close)
-            app.state.chat = chat
-            app.state.completions = CompletionService(conversation_log, sessions)
-            app.state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
-            app.state.distributed = DistributedRollouts(app.state.weights, serving)
-            stack.push_async_callback(app.state.distributed.close)
-            app.state.engine = serving
-            app.state.engine_admin = EngineAdmin(serving, metrics)  # admin's only way to change serving state
-            app.state.sessions = sessions
-            app.state.rollouts = RolloutService(
-                serving, tokenizer, chat.renderer, settings.server.rollout_max_concurrency
-            )
-            windows = limiter_for(settings.learner.redis_url, settings.learner.redis_key_prefix)
-            app.state.limits = RequestLimiter(windows, _default_tenant_limits(settings))
-            app.state.auth = Authenticator(
-                sessions,
-                admin_key=settings.server.admin_key.get_secret_value() if settings.server.admin_key else None,
-                loopback=settings.server.binds_loopback,
-                internal_key=settings.server.internal_admin_key.get_secret_value()
-                if settings.server.internal_admin_key
-                else None,
-                policy=AuthPolicy(
-                    key_ttl_s=settings.server.auth_key_ttl_s,
-                    key_stale_s=settings.server.auth_key_stale_s,
-                    lookup_timeout_s=settings.server.auth_lookup_timeout_s,
-                    failures_per_minute=settings.server.auth_failures_per_minute,
-                ),
-                failure_limiter=windows,
-            )
-            stack.callback(app.state.auth.close)
+        async with _database(settings) as (db, sessions), AsyncExitStack() as stack:
+            given = _Given(engine, log, model_path)
+            serving = await _start_services(app, settings, stack, db, sessions, given, metrics)
             info = serving.model_info()
             logger.info(
                 "serving",
