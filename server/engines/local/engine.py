@@ -8,12 +8,13 @@ version produced it.
 
 The parts, one concept each: ``scheduler`` (queue, fair admission, retraction, in-flight count),
 ``model_runner`` (prefill, decode, sampling), ``served_weights`` (every way to swap weights), the
-KV batch (``kv``) and the session prefix cache (``prefix_cache``). This class is the facade: it owns
-the engine thread and its command queue, and answers the Engine interface.
+KV batch (``kv``) and the session prefix cache (``prefix_cache``). ``LocalEngine`` is the facade: it
+owns the engine thread and its command queue, and answers the Engine interface.
 
 Why not transformers' own continuous batching (``generate_batch``/``ContinuousBatchingManager``)?
 It has no per-request seed, stop strings, top logprobs or weight-version tagging, and its prefix
-sharing is not keyed by session, all of which this engine needs; the loop here is ~200 lines.
+sharing is not keyed by session, all of which this engine needs; the loop and its parts here are a
+few hundred lines.
 """
 
 from __future__ import annotations
@@ -114,10 +115,6 @@ class LocalEngine:
         return cls(model, tokenizer, model_path=str(model_path), torch_threads=torch_threads, **kwargs)
 
     # ---- the Engine interface (called on the event loop) ----
-
-    @property
-    def weight_version(self) -> str:
-        return self._weights.version
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(
