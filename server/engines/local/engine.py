@@ -26,7 +26,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -48,6 +48,8 @@ from server.engines.local.weights import load_model
 from server.weight_delta import WeightDelta
 
 log = logging.getLogger("tandem.engine")
+
+T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -215,9 +217,9 @@ class LocalEngine:
 
     # ---- the engine thread ----
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread between two steps."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineUnavailable("the engine is not running")

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -27,8 +27,13 @@ from server.weight_delta import WeightDelta
 
 log = logging.getLogger("tandem.engine")
 
-# Runs a function on the engine thread between two steps and returns its result.
-BetweenSteps = Callable[[Callable[[], Any]], Awaitable[Any]]
+T = TypeVar("T")
+
+
+class BetweenSteps(Protocol):
+    """Runs a function on the engine thread between two steps and returns its result."""
+
+    def __call__(self, fn: Callable[[], T]) -> Awaitable[T]: ...
 
 
 class ServedWeights:
