@@ -5,7 +5,6 @@ undrained, its sessions come back."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,6 +22,7 @@ from tests.admin.test_metrics import parse
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.open_streams import streams_in_progress
+from tests.support.polling import wait_until
 from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -118,12 +118,12 @@ class SessionLoad:
                 with self._lock:
                     self.failures.append(repr(exc))
 
-    def wait_for(self, more: int, timeout: float = 60.0) -> None:
+    def wait_for(self, more: int, timeout_s: float = 60.0) -> None:
         target = self.completed + more
-        deadline = time.monotonic() + timeout
-        while self.completed < target:
-            assert time.monotonic() < deadline, f"load stalled at {self.completed}: {self.failures[:3]}"
-            time.sleep(0.02)
+        try:
+            wait_until(lambda: self.completed >= target, timeout_s=timeout_s, what=f"{more} more requests complete")
+        except AssertionError as exc:  # the failures say why the load stalled
+            raise AssertionError(f"{exc}; stalled at {self.completed}: {self.failures[:3]}") from None
 
     def __enter__(self) -> SessionLoad:
         for thread in self._threads:
@@ -176,10 +176,12 @@ def test_draining_under_load_fails_nothing_and_undraining_returns_traffic(pool_g
         drained = post(pool_gateway, victim, "drain")
         assert drained.status_code == 200, drained.text
         assert drained.json()["drained"] is True
-        deadline = time.monotonic() + 30
-        while engines(pool_gateway)[victim]["in_flight"]:  # what it had finishes there
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(
+            lambda: not engines(pool_gateway)[victim]["in_flight"],
+            timeout_s=30,
+            what="the drained replica's requests finish there",
+            interval_s=0.01,
+        )
         served_before = completions_by_replica(pool_gateway).get(victim, 0)
         assert served_before > 0  # it was serving its sessions until the drain
         load.wait_for(30)

@@ -6,7 +6,6 @@ name, each with a value that changed."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import timedelta
@@ -26,6 +25,7 @@ from storage.times import utcnow
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.open_streams import streams_in_progress
+from tests.support.polling import wait_until
 from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -188,10 +188,8 @@ def test_queue_depth_counts_the_requests_in_progress(gateway: Gateway) -> None:
     assert scrape(gateway)[0][depth] == 0
     with streams_in_progress(gateway.url, gateway.keys["acme"], gateway.model, count=2):
         assert scrape(gateway)[0][depth] == 2
-    deadline = time.monotonic() + 30
-    while scrape(gateway)[0][depth]:  # the client went away: the engine drops them at its next step
-        assert time.monotonic() < deadline, "cancelled requests stayed in flight"
-        time.sleep(0.05)
+    # The client went away: the engine drops them at its next step.
+    wait_until(lambda: not scrape(gateway)[0][depth], timeout_s=30, what="cancelled requests leave the engine")
 
 
 def test_a_weight_swap_is_counted_with_its_duration(gateway: Gateway, tmp_path: Path) -> None:
@@ -294,10 +292,12 @@ def test_engine_health_and_drain_follow_the_pool(pool: tuple[Gateway, dict[str, 
     assert [drained(scrape(gateway)[0], n) for n in names] == [0, 0]
 
     servers[names[0]].close()  # the first engine server stops: its next health probe fails
-    deadline = time.monotonic() + 30
-    while healthy(scrape(gateway)[0], names[0]):
-        assert time.monotonic() < deadline, "a stopped replica stayed healthy"
-        time.sleep(0.1)
+    wait_until(
+        lambda: not healthy(scrape(gateway)[0], names[0]),
+        timeout_s=30,
+        what="the stopped replica is unhealthy",
+        interval_s=0.1,
+    )
     assert healthy(scrape(gateway)[0], names[1]) == 1
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,6 +27,7 @@ from storage import get_round, list_versions, record_model_version, set_version_
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.learner.fault_plugins import HANG
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
+from tests.support.polling import wait_until
 from tests.support.streaming_load import StreamingLoad
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -114,13 +114,6 @@ def error(response: httpx.Response, status: int, code: str | None = None) -> dic
     if code is not None:
         assert body["code"] == code, body
     return body
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def serving(gateway: Gateway) -> str:
@@ -221,7 +214,7 @@ def test_rollback_and_promote_swap_with_zero_failures(
     with StreamingLoad(gateway.client(gateway.keys["acme"]), gateway.model) as load:
         back = ok(admin(gateway, "POST", f"/admin/models/{v1}/rollback", json={"reason": "v2 regressed"}))
         assert back["weight_version"] == v1 and back["previous_version"] == v2
-        wait_for(lambda: v1 in load.fingerprints)  # the clients saw v1 before it goes again
+        wait_until(lambda: v1 in load.fingerprints, timeout_s=30, what="the clients see v1 before it goes again")
         forward = ok(admin(gateway, "POST", "/admin/models/cand-1/promote"))
         assert forward["weight_version"] == "cand-1" and forward["previous_version"] == v1
     assert load.failures == [] and load.completed > 0

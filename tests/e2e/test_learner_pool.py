@@ -31,6 +31,7 @@ from storage import finish_round, get_round, heartbeat_round, last_watermark, li
 from storage.audit import list_admin_actions
 from storage.schedules import ScheduleView, list_firings, list_schedules
 from tandem.settings import Settings
+from tests.admin.test_metrics import parse
 from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
 from tests.fixtures.tiny_model import tiny_model_path
@@ -38,6 +39,7 @@ from tests.learner.fault_plugins import HANG
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support import learner_queue
 from tests.support.learner_queue import REDIS
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +108,11 @@ class Worker:
                 stderr=out,
                 start_new_session=True,
             )
-        wait_for(lambda: " ready." in log.read_text() or self.popen.poll() is not None, 60, "the worker to start")
+        wait_until(
+            lambda: " ready." in log.read_text() or self.popen.poll() is not None,
+            timeout_s=60,
+            what="the worker starts",
+        )
         assert self.popen.poll() is None, log.read_text()[-3000:]
 
     def group(self) -> list[psutil.Process]:
@@ -150,12 +156,23 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         worker.stop()
 
 
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
+def beat_ticks(gateway: Gateway) -> float:
+    """Ticks of beat so far: with a feedback schedule each asks the gateway what it serves
+    (``GET /admin/weights``), which nothing else in these tests does while no round runs."""
+    response = httpx.get(f"{gateway.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    samples, _ = parse(response.text)
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "tandem_http_requests_total" and {("route", "/admin/weights"), ("method", "GET")} <= set(labels)
+    )
+
+
+def wait_for_two_beat_ticks(gateway: Gateway) -> None:
+    """Return once a tick of beat has both begun after this call and ended: the first tick counted
+    may have read the database before it was called, the second begins only after that one ended."""
+    ticks = beat_ticks(gateway)
+    wait_until(lambda: beat_ticks(gateway) >= ticks + 2, timeout_s=30, what="beat ticks twice more")
 
 
 def weight_version(url: str) -> str:
@@ -198,7 +215,7 @@ def test_the_default_schedule_waits_for_enough_feedback_and_the_interval(
         with sessions() as session:
             return next((s for s in list_schedules(session) if s.name == DEFAULT_SCHEDULE), None)
 
-    wait_for(default_schedule, 30, "beat to create the default schedule")
+    wait_until(default_schedule, timeout_s=30, what="beat creates the default schedule")
     default = default_schedule()
     assert default is not None and (default.kind, default.min_feedback, default.interval_s) == ("feedback", 3, 600)
     with sessions() as session:
@@ -206,14 +223,18 @@ def test_the_default_schedule_waits_for_enough_feedback_and_the_interval(
     assert created.target == default.id and created.actor.startswith("beat:") and created.status_code == 201
 
     chat_and_rate(gateway, [("Name a colour.", "up"), ("Name a fruit.", "down")])
-    time.sleep(2.5)  # two more of beat's ticks, which must not fire with two of three ratings
+    wait_for_two_beat_ticks(gateway)  # a tick that saw the ratings, and must not fire with two of three
     with sessions() as session:
         assert list_rounds(session, model=gateway.model) == ()
         assert list_firings(session, schedule_id=default.id) == ()
     assert weight_version(gateway.url) == "default"
 
     chat_and_rate(gateway, [("Name a tree.", "up")])
-    wait_for(lambda: weight_version(gateway.url) != "default", TASK_TIMEOUT_S, "the schedule's round to roll out")
+    wait_until(
+        lambda: weight_version(gateway.url) != "default",
+        timeout_s=TASK_TIMEOUT_S,
+        what="the schedule's round rolls out",
+    )
     with sessions() as session:
         (round_row,) = list_rounds(session, model=gateway.model)
         (firing,) = list_firings(session, schedule_id=default.id)
@@ -223,7 +244,7 @@ def test_the_default_schedule_waits_for_enough_feedback_and_the_interval(
 
     # Enough feedback again, but the schedule fired less than its interval_s ago.
     chat_and_rate(gateway, [("One.", "up"), ("Two.", "down"), ("Three.", "up")])
-    time.sleep(2.5)
+    wait_for_two_beat_ticks(gateway)
     with sessions() as session:
         assert len(list_rounds(session, model=gateway.model)) == 1
         assert len(list_firings(session, schedule_id=default.id)) == 1
@@ -260,8 +281,9 @@ def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(
         with gateway.sessions()() as session:
             return bool(list_rounds(session, model=gateway.model, status="running"))
 
-    wait_for(running, TASK_TIMEOUT_S, "the doomed worker's round to start")
-    wait_for(lambda: len(doomed.group()) >= 2, 30, "the training child to hang")  # worker + training child
+    wait_until(running, timeout_s=TASK_TIMEOUT_S, what="the doomed worker's round starts")
+    # The worker and its training child.
+    wait_until(lambda: len(doomed.group()) >= 2, timeout_s=30, what="the training child hangs")
     time.sleep(1)  # the training child is loading the model, past any chance of finishing
     doomed.kill_group()
     assert doomed.group() == []
@@ -350,7 +372,7 @@ def test_serve_learns_on_its_embedded_worker_with_zero_configuration(tmp_path: P
     }
     serve = start_tandem(["serve"], data_dir=tmp_path, ready_path="/health", env=env)
     try:
-        wait_for(lambda: psutil.Process(serve.popen.pid).children(), 30, "serve's worker child")
+        wait_until(lambda: psutil.Process(serve.popen.pid).children(), timeout_s=30, what="serve has its worker child")
         # Keyless, as in the quick start: the internal key of serve's worker must not end that.
         client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
@@ -359,7 +381,11 @@ def test_serve_learns_on_its_embedded_worker_with_zero_configuration(tmp_path: P
                 model=model, messages=[{"role": "user", "content": question}], max_tokens=6
             )
             client.post("/feedback", body={"completion_id": reply.id, "rating": rating}, cast_to=object)
-        wait_for(lambda: weight_version(serve.url) != "default", TASK_TIMEOUT_S, "a scheduled round to roll out")
+        wait_until(
+            lambda: weight_version(serve.url) != "default",
+            timeout_s=TASK_TIMEOUT_S,
+            what="a scheduled round rolls out",
+        )
         assert httpx.get(f"{serve.url}/admin/weights").status_code == 403  # admin stays serve's own
         descendants = psutil.Process(serve.popen.pid).children(recursive=True)
         assert descendants

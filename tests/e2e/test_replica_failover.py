@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from server.router.pool import EnginePool
 from storage.tenants import DEFAULT_TENANT_ID
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import gateway_settings
+from tests.support.polling import async_wait_until, wait_until
 from tests.support.uvicorn_thread import free_port, serve_in_thread
 
 INTERVAL = 0.5
@@ -59,15 +59,6 @@ def managed_settings(tmp_path: Path, replicas: int) -> object:
     )
 
 
-def wait_until(condition: Callable[[], bool], timeout: float) -> float:
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > timeout:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.05)
-    return time.monotonic() - began
-
-
 def kill(pool: EnginePool, index: int) -> str:
     assert pool.supervisor is not None
     server = pool.supervisor.servers[index]
@@ -82,11 +73,19 @@ async def test_a_killed_replica_is_restarted_and_serves_the_pools_weights(tmp_pa
     pool = await open_engine(settings)  # type: ignore[arg-type]
     assert isinstance(pool, EnginePool)
     try:
-        await _until(lambda: all(r.healthy for r in pool.replicas.values()), 120)
+        await async_wait_until(
+            lambda: all(r.healthy for r in pool.replicas.values()), timeout_s=120, what="every replica is healthy"
+        )
         victim = kill(pool, 0)
-        await _until(lambda: not pool.replicas[victim].healthy, 2 * INTERVAL + 0.5)
+        await async_wait_until(
+            lambda: not pool.replicas[victim].healthy,
+            timeout_s=2 * INTERVAL + 0.5,
+            what="the killed replica is ejected",
+        )
         await pool.update_weights(str(new_weights), "v2")  # the survivor only
-        await _until(lambda: pool.replicas[victim].healthy, 120)
+        await async_wait_until(
+            lambda: pool.replicas[victim].healthy, timeout_s=120, what="the restarted replica is readmitted"
+        )
         assert pool.supervisor is not None and pool.supervisor.servers[0].starts == 2
         replica = pool.replicas[victim]
         assert replica.client.model_info().weight_version == "v2"
@@ -94,13 +93,6 @@ async def test_a_killed_replica_is_restarted_and_serves_the_pools_weights(tmp_pa
     finally:
         await pool.close()
     assert all(not s.running for s in pool.supervisor.servers)
-
-
-async def _until(condition: Callable[[], bool], timeout: float) -> None:
-    began = time.monotonic()
-    while not condition():
-        assert time.monotonic() - began < timeout, f"not within {timeout} s"
-        await asyncio.sleep(0.05)
 
 
 @dataclass
@@ -117,7 +109,9 @@ def managed_gateway(tmp_path: Path) -> Iterator[tuple[str, EnginePool, Path]]:
     app = create_app(settings)  # type: ignore[arg-type]
     with serve_in_thread(app, startup_timeout_s=180) as url:
         pool = app.state.chat.engine
-        wait_until(lambda: all(r.healthy for r in pool.replicas.values()), 120)
+        wait_until(
+            lambda: all(r.healthy for r in pool.replicas.values()), timeout_s=120, what="every replica is healthy"
+        )
         yield url, pool, tmp_path
 
 
@@ -186,7 +180,7 @@ def test_killing_a_replica_under_load_loses_only_its_streams_and_logs_everything
     users = [threading.Thread(target=user, args=(i, key), daemon=True) for i, key in enumerate(sessions)]
     for thread in users:
         thread.start()
-    wait_until(lambda: pool.replicas[victim_url].in_flight >= 3, 60)
+    wait_until(lambda: pool.replicas[victim_url].in_flight >= 3, timeout_s=60, what="the victim serves 3 streams")
     kill(pool, 1)
     # A killed server's connection either breaks mid-read or closes cleanly early: both are errors.
     with pytest.raises(openai.APIError, match=r"failed during generate|ended the stream"):

@@ -9,11 +9,11 @@ disabling change the firing without a restart, and after the outage one firing, 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -24,12 +24,14 @@ from learner.celery_app import LEARN
 from storage.db import make_engine, make_session_factory
 from storage.schedules import FiringView, ScheduleView, create_schedule, list_firings, update_schedule
 from tests.support.learner_queue import REDIS, SentTask, redis_prefix, sent_tasks
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.slow
 
 ROUND_SETTINGS = {"learning_rate": 1e-5}
 DOWNTIME_S = 7.0  # longer than three two-second slots: at least three slots pass with no beat running
 LOST_CLAIM = "schedule slot fired by another beat"
+WAKING_UP = "beat: Waking up"
 
 
 class Beat:
@@ -50,28 +52,36 @@ class Beat:
             raise AssertionError(f"beat exited with {self.popen.returncode}: {self.log.read_text()[-3000:]}")
         return "beat: Starting..." in self.log.read_text()
 
+    def ticks(self) -> int:
+        """Ticks ended so far: after each, beat logs when it wakes up next (at DEBUG)."""
+        return self.log.read_text().count(WAKING_UP)
+
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.popen.terminate()
             self.popen.wait(timeout=30)
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
-
-
 def start_beats(env: dict[str, str], logs: Path, run: int) -> list[Beat]:
     beats = [Beat(env, logs / f"beat-{run}-{i}.log") for i in range(2)]
     try:
-        wait_for(lambda: all(beat.ticking() for beat in beats), 60, "both beats to tick")
+        wait_until(lambda: all(beat.ticking() for beat in beats), timeout_s=60, what="both beats tick")
     except BaseException:
         stop(beats)
         raise
     return beats
+
+
+def tick_after(beats: list[Beat], moment: float) -> None:
+    """Return once every beat has run a whole tick begun after ``moment`` (a ``time.time()``)."""
+    time.sleep(max(0.0, moment - time.time()))  # a slot is a moment of the clock: nothing shows it earlier
+    ended = [beat.ticks() for beat in beats]
+    # A tick logs as it ends, so of two ticks ending from now on, the second began after now.
+    wait_until(
+        lambda: all(beat.ticks() >= n + 2 for beat, n in zip(beats, ended, strict=True)),
+        timeout_s=30,
+        what="every beat ticks twice more",
+    )
 
 
 def stop(beats: list[Beat]) -> None:
@@ -142,7 +152,8 @@ def _run_and_check(
         time.sleep(2.5)
         with sessions.begin() as session:
             disabled = update_schedule(session, schedule.id, {"enabled": False})
-        time.sleep(2.2)  # a slot that must not fire
+        # Every beat has ticked past the next two-second slot, which must not fire.
+        tick_after(beats, (math.floor(disabled.updated_at.timestamp() / 2) + 1) * 2)
     finally:
         stop(beats)
 

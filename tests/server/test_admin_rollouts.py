@@ -19,6 +19,7 @@ from server.engines.local.engine import LocalEngine
 from storage.models import Completion
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings
 from tests.server.engines.helpers import reference_logprobs
+from tests.support.polling import wait_until
 from tests.support.uvicorn_thread import serve_in_thread
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -114,24 +115,30 @@ def _completions(gateway: Gateway) -> int:
         return session.scalar(select(func.count()).select_from(Completion)) or 0
 
 
-def test_rollouts_are_not_logged_as_conversations(gateway: Gateway, prompt_ids: list[int]) -> None:
-    time.sleep(1.0)  # earlier tests' completions reach the database first (flushed every 0.25 s)
-    before = _completions(gateway)
-    assert rollout(gateway.url, {"input_ids": prompt_ids, "n": 3, "max_tokens": 4}).status_code == 200
-    assert rollout(gateway.url, {"messages": MESSAGES, "n": 2, "max_tokens": 4}).status_code == 200
-    # A chat completion after them is logged; the log keeps order, so once it is stored so would they be.
+def _chat_until_stored(gateway: Gateway) -> None:
+    """Log one chat completion and wait until it is stored: the log keeps order, so everything
+    logged before it is stored by then too."""
     chat = gateway.client(gateway.keys["acme"]).chat.completions.create(
         model=gateway.model,
         messages=MESSAGES,
         max_tokens=2,
         user=f"u-{uuid.uuid4().hex}",  # type: ignore[arg-type]
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def stored() -> bool:
         with gateway.sessions()() as session:
-            if session.get(Completion, chat.id) is not None:
-                break
-        time.sleep(0.05)
+            return session.get(Completion, chat.id) is not None
+
+    wait_until(stored, timeout_s=10, what="the chat completion is stored")
+
+
+def test_rollouts_are_not_logged_as_conversations(gateway: Gateway, prompt_ids: list[int]) -> None:
+    _chat_until_stored(gateway)  # earlier tests' completions are in the database before the count
+    before = _completions(gateway)
+    assert rollout(gateway.url, {"input_ids": prompt_ids, "n": 3, "max_tokens": 4}).status_code == 200
+    assert rollout(gateway.url, {"messages": MESSAGES, "n": 2, "max_tokens": 4}).status_code == 200
+    # Had the rollouts been logged, they would be stored before this chat completion.
+    _chat_until_stored(gateway)
     assert _completions(gateway) == before + 1
 
 

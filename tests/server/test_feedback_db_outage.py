@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from sqlalchemy.engine import make_url
 
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.server.conftest import gateway_settings, run_gateway
+from tests.support.polling import wait_until
 
 HELLO = [{"role": "user", "content": "hi"}]
 pytestmark = pytest.mark.postgres
@@ -49,13 +49,14 @@ def test_chat_and_feedback_survive_a_database_outage(
         assert caught.value.status_code == 503
 
         proxy.start()
-        deadline = time.monotonic() + 30
-        while True:
+
+        def readable() -> bool:
             try:
-                logged = client.get(f"/completions/{reply.id}", cast_to=object)
-                break
+                client.get(f"/completions/{reply.id}", cast_to=object)
             except openai.InternalServerError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+                return False
+            return True
+
+        wait_until(readable, timeout_s=30, what="the completion reads back once the database is up", interval_s=0.2)
+        logged = client.get(f"/completions/{reply.id}", cast_to=object)
         assert logged["choices"][0]["feedback"]["rating"] == "up"  # type: ignore[index]

@@ -12,6 +12,7 @@ from server.engines.base import Finish
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_client import SGLangClient
 from tests.server.engines.helpers import collect, greedy, greedy_reference
+from tests.support.polling import async_wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -28,14 +29,6 @@ async def sglang(sglang_url: str) -> AsyncIterator[SGLangClient]:
     client = await SGLangClient.open(sglang_url)
     yield client
     await client.close()
-
-
-async def healthy_within(client: SGLangClient, attempts: int) -> bool:
-    for _ in range(attempts):
-        if await client.health():
-            return True
-        await asyncio.sleep(1)
-    return False
 
 
 async def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(
@@ -71,7 +64,7 @@ async def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(
     assert result.token_ids == greedy_reference(tiny_model, PROMPTS[1], 6)
     # /health_generate runs a generation of its own, which can miss its deadline right after
     # continue_generation on a busy CPU; the server must be healthy again within a few probes.
-    assert await healthy_within(sglang, attempts=3)
+    await async_wait_until(sglang.health, timeout_s=3, what="SGLang is healthy again", interval_s=1)
 
 
 async def test_local_engine_sglang_and_transformers_agree(sglang: SGLangClient, tiny_model: Path) -> None:

@@ -91,6 +91,13 @@ class Sequence:
         """Hand a chunk to the request's event loop (called from the engine thread)."""
         deliver([(self, chunk)])
 
+    def abort(self, message: str, weight_version: str) -> None:
+        """End the request with an abort chunk, unless it has ended already."""
+        if self.done:
+            return
+        self.finish = Finish("abort", message=message)
+        self.emit(TokenChunk([], [], weight_version, len(self.input_ids), self.cached_tokens, finish=self.finish))
+
 
 def _put_all(outputs: list[tuple[Sequence, TokenChunk]]) -> None:
     for seq, chunk in outputs:

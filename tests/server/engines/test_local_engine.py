@@ -10,6 +10,7 @@ from server.engines.base import EngineError, EngineOverloaded, SamplingParams
 from server.engines.local.engine import LocalEngine
 from server.engines.local.weights import WeightLoadError
 from tests.server.engines.helpers import collect, greedy, greedy_reference, reference_logprobs
+from tests.support.polling import async_wait_until
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ async def test_full_queue_answers_429(tiny_model: Path, prompt: list[int]) -> No
     try:
         await engine.pause("in_place")
         waiting = [asyncio.create_task(collect(engine, prompt, greedy(4))) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: engine.in_flight == 3, timeout_s=10, what="three requests are queued")
         with pytest.raises(EngineOverloaded):
             await collect(engine, prompt, greedy(4))
         await engine.resume()
@@ -138,18 +139,23 @@ async def test_incompatible_checkpoint_is_refused(engine: LocalEngine, tmp_path:
 
 async def test_pause_modes(engine: LocalEngine, tiny_model: Path, prompt: list[int]) -> None:
     running = asyncio.create_task(collect(engine, prompt, greedy(200)))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: engine.running == 1, timeout_s=10, what="the request is decoding")
     await engine.pause("abort")
     aborted = await running
     assert aborted.finish is not None and aborted.finish.type == "abort"
     queued = asyncio.create_task(collect(engine, prompt, greedy(8)))
-    await asyncio.sleep(0.05)
-    assert not queued.done()  # new requests wait while paused, they are not rejected
+    await async_wait_until(lambda: engine.in_flight == 1, timeout_s=10, what="the request is queued")
+    # Each command runs at the start of a loop turn, so the second one runs only after the turn of
+    # the first one, in which an unpaused engine would have admitted the request.
+    await engine.flush_cache()
+    await engine.flush_cache()
+    # New requests wait while paused, they are not rejected.
+    assert (engine.in_flight, engine.running, queued.done()) == (1, 0, False)
     await engine.resume()
     assert (await queued).token_ids == greedy_reference(tiny_model, prompt, 8)
 
     running = asyncio.create_task(collect(engine, prompt, greedy(40)))
-    await asyncio.sleep(0.02)
+    await async_wait_until(lambda: engine.running == 1, timeout_s=10, what="the request is decoding")
     await engine.pause("retract")
     await engine.resume()
     retracted = await running

@@ -13,6 +13,7 @@ from pathlib import Path
 from server.engines.local.engine import LocalEngine
 from server.engines.local.fair_share import next_to_admit, preemption_victim
 from tests.server.engines.helpers import greedy
+from tests.support.polling import async_wait_until
 
 PROMPT = [1, 2, 3, 4]
 
@@ -33,7 +34,7 @@ async def test_another_tenants_request_is_admitted_before_one_tenants_backlog(ti
         tasks = []
         for name, salt in queued:
             tasks.append(asyncio.create_task(_run(engine, name, salt, started)))
-            await asyncio.sleep(0.01)  # queued in this order
+            await async_wait_until(lambda: engine.in_flight == len(tasks), timeout_s=10, what=f"{name} is queued")
         await engine.resume()
         await asyncio.gather(*tasks)
         assert started[:2] == ["a0", "b0"]  # b0 takes the second slot of the first batch
@@ -57,8 +58,9 @@ async def test_a_tenant_arriving_at_a_full_batch_gets_a_slot_without_waiting_for
                 produced[name] += len(chunk.token_ids)
 
         busy = [asyncio.create_task(run(f"a{i}", "tenant-a", 600)) for i in range(2)]
-        while engine.running < 2:
-            await asyncio.sleep(0.001)
+        await async_wait_until(
+            lambda: engine.running == 2, timeout_s=30, what="tenant a fills the batch", interval_s=0.001
+        )
         await run("b", "tenant-b", 3)
         assert produced["b"] == 3
         assert all(not task.done() for task in busy)  # b did not wait for the batch to drain

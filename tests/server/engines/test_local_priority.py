@@ -8,6 +8,7 @@ from pathlib import Path
 from server.engines.base import DEFAULT_PRIORITY, ROLLOUT_PRIORITY
 from server.engines.local.engine import LocalEngine
 from tests.server.engines.helpers import greedy
+from tests.support.polling import async_wait_until
 
 PROMPT = [1, 2, 3, 4]
 
@@ -30,7 +31,7 @@ async def test_waiting_users_go_before_waiting_rollouts(tiny_model: Path) -> Non
         tasks = []
         for name, priority in order:
             tasks.append(asyncio.create_task(_run(engine, name, priority, started)))
-            await asyncio.sleep(0.01)  # queued in this order
+            await async_wait_until(lambda: engine.in_flight == len(tasks), timeout_s=10, what=f"{name} is queued")
         await engine.resume()
         await asyncio.gather(*tasks)
         # Users first, each class in arrival order.
@@ -44,8 +45,7 @@ async def test_a_running_rollout_is_not_preempted(tiny_model: Path) -> None:
     try:
         started: list[str] = []
         rollout = asyncio.create_task(_run(engine, "rollout", ROLLOUT_PRIORITY, started, tokens=40))
-        while not started:
-            await asyncio.sleep(0.001)
+        await async_wait_until(lambda: started, timeout_s=30, what="the rollout is decoding", interval_s=0.001)
         user = asyncio.create_task(_run(engine, "user", DEFAULT_PRIORITY, started))
         await asyncio.wait({rollout, user}, return_when=asyncio.FIRST_COMPLETED)
         assert rollout.done() and not user.done()  # the user waited for the batch slot

@@ -23,6 +23,7 @@ from server.router.affinity import HashRing
 from server.router.pool import EnginePool, PoolConfig
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.server.engines.helpers import greedy, greedy_reference
+from tests.support.polling import async_wait_until
 from tests.support.uvicorn_thread import serve_in_thread
 
 PROMPT = [1, 287, 201, 268, 318, 81, 638, 2, 201, 1, 295, 201]
@@ -79,15 +80,6 @@ def home_of(pool: EnginePool, session: str) -> str:
     return next(HashRing(list(pool.replicas)).walk(session))
 
 
-async def wait_for(condition: object, timeout: float) -> float:
-    began = time.monotonic()
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() - began > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - began
-
-
 async def test_a_session_stays_on_its_replica(pool: EnginePool) -> None:
     for session in ("alice", "bob", "carol", "dave"):
         for _ in range(3):
@@ -119,7 +111,9 @@ async def test_a_dead_replica_leaves_within_two_intervals_and_returns_on_the_poo
 ) -> None:
     victim = replicas.urls[1]
     replicas.proxies[victim].stop()
-    gone_after = await wait_for(lambda: not pool.replicas[victim].healthy, 4 * INTERVAL)
+    gone_after = await async_wait_until(
+        lambda: not pool.replicas[victim].healthy, timeout_s=4 * INTERVAL, what="the dead replica is ejected"
+    )
     assert gone_after <= 2 * INTERVAL + 0.1
     assert await pool.health()
     assert victim not in {c.replica for _ in range(4) for c in await run(pool, greedy(1))}
@@ -127,7 +121,9 @@ async def test_a_dead_replica_leaves_within_two_intervals_and_returns_on_the_poo
     await pool.update_weights(str(perturbed_model), "v2")  # reaches the two live replicas only
     try:
         replicas.proxies[victim].start()
-        back_after = await wait_for(lambda: pool.replicas[victim].healthy, 10 * INTERVAL)
+        back_after = await async_wait_until(
+            lambda: pool.replicas[victim].healthy, timeout_s=10 * INTERVAL, what="the replica is readmitted"
+        )
         assert back_after >= INTERVAL  # not on the first passed probe
         assert pool.replicas[victim].client.model_info().weight_version == "v2"
         session = next(f"s{i}" for i in range(100) if home_of(pool, f"s{i}") == victim)
@@ -190,7 +186,7 @@ async def test_a_buffered_request_survives_its_replica_dying_mid_generation(
     victim = replicas.urls[2]
     session = next(f"d{i}" for i in range(100) if home_of(pool, f"d{i}") == victim)
     task = asyncio.create_task(run(pool, greedy(300), session_key=session, stream=False))
-    await wait_for(lambda: pool.replicas[victim].in_flight == 1, 5)
+    await async_wait_until(lambda: pool.replicas[victim].in_flight == 1, timeout_s=5, what="the request is running")
     await asyncio.sleep(0.2)  # mid-generation
     replicas.proxies[victim].stop()
     chunks = await task
@@ -216,16 +212,26 @@ async def test_bad_requests_are_not_retried(pool: EnginePool) -> None:
 async def test_rolling_weight_update_under_load_fails_nothing(
     pool: EnginePool, tiny_model: Path, perturbed_model: Path
 ) -> None:
-    async def client(i: int) -> list[TokenChunk]:
-        return await run(pool, greedy(60), session_key=f"load-{i}")
+    received: list[list[TokenChunk]] = [[] for _ in range(9)]
 
-    streams = [asyncio.create_task(client(i)) for i in range(9)]
-    await asyncio.sleep(0.3)
+    async def client(i: int) -> None:
+        async for chunk in pool.generate(PROMPT, greedy(200), session_key=f"load-{i}"):
+            received[i].append(chunk)
+
+    streams = [asyncio.create_task(client(i)) for i in range(len(received))]
+    # Every request is generating when the update starts, so none can have run entirely before it.
+    await async_wait_until(lambda: all(received), timeout_s=30, what="every stream has its first token")
     await pool.update_weights(str(perturbed_model), "v2")
     try:
-        results = await asyncio.gather(*streams)
-        assert all(len(tokens(chunks)) == 60 for chunks in results)
-        assert all(c.finish is None or c.finish.type == "length" for chunks in results for c in chunks)
+        await asyncio.gather(*streams)
+        versions = [[c.weight_version for c in chunks for _ in c.token_ids] for chunks in received]
+        assert all(len(v) == 200 for v in versions)
+        assert all(c.finish is None or c.finish.type == "length" for chunks in received for c in chunks)
+        # A stream starts on the old weights and, once its replica is swapped, goes on under the new ones.
+        order = ["default", "v2"]
+        assert all(v[0] == "default" and v == sorted(v, key=order.index) for v in versions)
+        # The swaps happened mid-request, not in a lull between requests.
+        assert any(set(v) == {"default", "v2"} for v in versions), [sorted(set(v)) for v in versions]
         assert {r.client.model_info().weight_version for r in pool.replicas.values()} == {"v2"}
         assert pool.target == (str(perturbed_model), "v2")
     finally:
