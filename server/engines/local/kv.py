@@ -10,8 +10,26 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, full-attention ones (``load_model`` refuses models with other kinds)."""
+    layers = []
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer):
+            raise TypeError(f"the local engine keeps full-attention caches only, not {type(layer).__name__}")
+        layers.append(layer)
+    return layers
+
+
+def _kv(layer: DynamicLayer) -> LayerKV:
+    """A filled layer's keys and values (a layer is filled by the prefill that created it)."""
+    if layer.keys is None or layer.values is None:
+        raise ValueError("a cache layer was read before a forward pass filled it")
+    return layer.keys, layer.values
 
 
 @dataclass(slots=True)
@@ -36,7 +54,7 @@ class RowKV:
 
     @classmethod
     def from_cache(cls, cache: DynamicCache) -> RowKV:
-        return cls([(layer.keys, layer.values) for layer in cache.layers])
+        return cls([_kv(layer) for layer in _layers(cache)])
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
@@ -73,9 +91,10 @@ class BatchKV:
             self.cache, self.mask = row.to_cache(), row_mask
             return
         length = max(self.length, row.length)
-        for layer, (row_k, row_v) in zip(self.cache.layers, row.layers, strict=True):
-            layer.keys = torch.cat([_left_pad(layer.keys, length), _left_pad(row_k, length)])
-            layer.values = torch.cat([_left_pad(layer.values, length), _left_pad(row_v, length)])
+        for layer, (row_k, row_v) in zip(_layers(self.cache), row.layers, strict=True):
+            keys, values = _kv(layer)
+            layer.keys = torch.cat([_left_pad(keys, length), _left_pad(row_k, length)])
+            layer.values = torch.cat([_left_pad(values, length), _left_pad(row_v, length)])
         self.mask = torch.cat([_left_pad_mask(self.mask, length), _left_pad_mask(row_mask, length)])
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -87,24 +106,21 @@ class BatchKV:
         mask = self.mask.index_select(0, index)
         start = int((mask.cumsum(1) == 0).sum(1).min())
         self.mask = mask[:, start:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[..., start:, :]
-            layer.values = layer.values.index_select(0, index)[..., start:, :]
+        for layer in _layers(self.cache):
+            keys, values = _kv(layer)
+            layer.keys = keys.index_select(0, index)[..., start:, :]
+            layer.values = values.index_select(0, index)[..., start:, :]
 
     def row(self, index: int) -> RowKV:
         """A compact copy of one row's real tokens (copied so the batch tensors can be freed)."""
         if self.cache is None:
             raise IndexError("the batch is empty")
         start = int((self.mask[index].cumsum(0) == 0).sum())
-        return RowKV(
-            [
-                (
-                    layer.keys[index : index + 1, :, start:, :].clone(),
-                    layer.values[index : index + 1, :, start:, :].clone(),
-                )
-                for layer in self.cache.layers
-            ]
-        )
+        rows = [(k[index : index + 1, :, start:, :], v[index : index + 1, :, start:, :]) for k, v in self._kvs()]
+        return RowKV([(k.clone(), v.clone()) for k, v in rows])
+
+    def _kvs(self) -> list[LayerKV]:
+        return [_kv(layer) for layer in _layers(self.cache)] if self.cache is not None else []
 
     def next_positions(self) -> torch.Tensor:
         """Position of every row's next token: the number of its real tokens so far."""

@@ -17,12 +17,14 @@ class WeightLoadError(ValueError):
 
 
 def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
     if layer_types - {DynamicLayer}:
         names = ", ".join(sorted(t.__name__ for t in layer_types))
         raise WeightLoadError(f"{path}: the local engine serves full-attention models only (cache layers: {names})")
-    return model.to(device).eval()
+    model = model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types .to oddly
+    model.eval()
+    return model
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
