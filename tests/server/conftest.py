@@ -21,6 +21,7 @@ from migrations.migrate import upgrade
 from storage.api_keys import create_api_key
 from storage.db import make_engine, make_session_factory
 from tandem.settings import Settings
+from tests.fixtures.tcp_proxy import TcpProxy
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.support.uvicorn_thread import serve_in_thread
 
@@ -109,3 +110,13 @@ def keyless_gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     settings = gateway_settings(tmp_path_factory.mktemp("keyless"), tiny_model, max_queued_requests=1)
     with run_gateway(settings) as gw:
         yield gw
+
+
+@pytest.fixture
+def postgres_proxy() -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the local PostgreSQL that a test can stall, cut or restart."""
+    proxy = TcpProxy("127.0.0.1", 5432)
+    proxy.start()
+    yield proxy
+    proxy.fault = None
+    proxy.stop()

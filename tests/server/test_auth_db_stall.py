@@ -26,17 +26,8 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    proxy = TcpProxy("127.0.0.1", 5432)
-    proxy.start()
-    yield proxy
-    proxy.fault = None
-    proxy.stop()
-
-
-@pytest.fixture
-def gateway(postgres_url: str, proxy: TcpProxy, tiny_model: Path, tmp_path: Path) -> Iterator[Gateway]:
-    proxied = make_url(postgres_url).set(port=proxy.port).render_as_string(hide_password=False)
+def gateway(postgres_url: str, postgres_proxy: TcpProxy, tiny_model: Path, tmp_path: Path) -> Iterator[Gateway]:
+    proxied = make_url(postgres_url).set(port=postgres_proxy.port).render_as_string(hide_password=False)
     settings = gateway_settings(
         tmp_path,
         tiny_model,
@@ -55,10 +46,12 @@ def timed_chat(client: openai.OpenAI, model: str) -> float:
     return time.monotonic() - started
 
 
-def test_a_verified_key_serves_through_a_stall_up_to_the_stale_bound(gateway: Gateway, proxy: TcpProxy) -> None:
+def test_a_verified_key_serves_through_a_stall_up_to_the_stale_bound(
+    gateway: Gateway, postgres_proxy: TcpProxy
+) -> None:
     client = gateway.client(gateway.keys["stall-a"])
     timed_chat(client, gateway.model)  # verified once, while the database answers
-    proxy.fault = "stall"
+    postgres_proxy.fault = "stall"
     stalled_at = time.monotonic()
     time.sleep(2 * TTL_S)  # past the recheck time: every chat below asks the stalled database
     slowest = max(timed_chat(client, gateway.model) for _ in range(5))
@@ -77,7 +70,7 @@ def test_a_verified_key_serves_through_a_stall_up_to_the_stale_bound(gateway: Ga
         client.models.list()
     assert caught.value.status_code == 503
 
-    proxy.fault = None
+    postgres_proxy.fault = None
     wait_until(lambda: _serves(client), timeout_s=30, what="the key serves again once the database answers")
 
 

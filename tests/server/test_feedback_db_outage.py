@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -17,25 +16,17 @@ HELLO = [{"role": "user", "content": "hi"}]
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    proxy = TcpProxy("127.0.0.1", 5432)
-    proxy.start()
-    yield proxy
-    proxy.stop()
-
-
 def test_chat_and_feedback_survive_a_database_outage(
-    postgres_url: str, proxy: TcpProxy, tiny_model: Path, tmp_path: Path
+    postgres_url: str, postgres_proxy: TcpProxy, tiny_model: Path, tmp_path: Path
 ) -> None:
-    proxied = make_url(postgres_url).set(port=proxy.port).render_as_string(hide_password=False)
+    proxied = make_url(postgres_url).set(port=postgres_proxy.port).render_as_string(hide_password=False)
     settings = gateway_settings(tmp_path, tiny_model, database_url=proxied)
     with run_gateway(settings, tenants=("outage-a", "outage-b")) as gateway:
         keys = gateway.keys
         client = gateway.client(keys["outage-a"])
         client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2)
 
-        proxy.stop()
+        postgres_proxy.stop()
         # The key is cached and the completion is journaled: serving goes on.
         reply = client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2)
         feedback = client.post("/feedback", body={"completion_id": reply.id, "rating": "up"}, cast_to=object)
@@ -48,7 +39,7 @@ def test_chat_and_feedback_survive_a_database_outage(
             gateway.client(keys["outage-b"]).models.list()
         assert caught.value.status_code == 503
 
-        proxy.start()
+        postgres_proxy.start()
 
         def readable() -> bool:
             try:
