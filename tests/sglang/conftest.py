@@ -25,7 +25,7 @@ from tests.support.uvicorn_thread import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup_sglang.sh"
-SGLANG_VENV = Settings().sglang_venv
+SGLANG_VENV = Settings().engine.sglang_venv
 INSTALL_TIMEOUT_S = 1800
 START_TIMEOUT_S = 240
 # float32, like the local engine and the transformers reference: the tiny random model's logits are
