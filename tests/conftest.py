@@ -57,3 +57,11 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         url = request.getfixturevalue("postgres_url")
     upgrade(url)
     return url
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The random order's seed, even under -q (which hides pytest-randomly's header): rerun a failing
+    order with ``pytest --randomly-seed=N``."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"test order: --randomly-seed={seed}")
