@@ -54,6 +54,14 @@ def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield gw
 
 
+@pytest.fixture
+def fresh_gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway of its own, for a test of the first round from the base weights (no earlier ratings)."""
+    settings = gateway_settings(tmp_path_factory.mktemp("first-round"), model_dir, admin_key=ADMIN_KEY)
+    with run_gateway(settings, tenants=("e2e",)) as gw:
+        yield gw
+
+
 def round_config(gateway: Gateway, tmp_path: Path, **overrides: Any) -> RoundConfig:
     values: dict[str, Any] = {
         "server_url": gateway.url,
@@ -93,7 +101,10 @@ def serving(gateway: Gateway) -> dict[str, Any]:
     return response.json()
 
 
-def test_round_learns_and_swaps_without_a_failed_request(gateway: Gateway, model_dir: Path, tmp_path: Path) -> None:
+def test_round_learns_and_swaps_without_a_failed_request(
+    fresh_gateway: Gateway, model_dir: Path, tmp_path: Path
+) -> None:
+    gateway = fresh_gateway
     chat_and_rate(
         gateway,
         [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Name a colour.", "down"), ("Say hi.", "up")],

@@ -19,7 +19,14 @@ from learner.megatron_config import MegatronConfig
 from learner.round import run_round
 from learner.trainers import TrainConfig
 from storage import get_version
-from tests.e2e.test_learning_round import chat_and_rate, gateway, model_dir, round_config, serving  # noqa: F401
+from tests.e2e.test_learning_round import (  # noqa: F401
+    chat_and_rate,
+    fresh_gateway,
+    gateway,
+    model_dir,
+    round_config,
+    serving,
+)
 from tests.server.conftest import Gateway
 
 MEGATRON = TrainConfig(backend="megatron", loss=PolicyLossConfig(use_tis=True, kl_loss_coef=0.05))
@@ -31,26 +38,26 @@ MEGATRON = TrainConfig(backend="megatron", loss=PolicyLossConfig(use_tis=True, k
     ids=["one process", "tensor_parallel=2"],
 )
 def test_a_round_trains_with_megatron_and_serves_the_export(
-    gateway: Gateway,  # noqa: F811
+    fresh_gateway: Gateway,  # noqa: F811
     model_dir: Path,  # noqa: F811
     tmp_path: Path,
     layout: MegatronConfig,
 ) -> None:
-    chat_and_rate(gateway, [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Say hi.", "up")])
+    chat_and_rate(fresh_gateway, [("What is 2 + 2?", "up"), ("What is 2 + 2?", "down"), ("Say hi.", "up")])
     train_config = dataclasses.replace(MEGATRON, megatron=layout)
-    result = run_round(round_config(gateway, tmp_path, train_config=train_config, num_steps=2))
+    result = run_round(round_config(fresh_gateway, tmp_path, train_config=train_config, num_steps=2))
     assert result.status == "succeeded", result.error
     assert result.samples == 3 and {"loss", "grad_norm", "kl_loss", "tis"} <= set(result.metrics)
-    assert serving(gateway)["weight_version"] == result.version_id
-    with gateway.sessions()() as session:
+    assert serving(fresh_gateway)["weight_version"] == result.version_id
+    with fresh_gateway.sessions()() as session:
         row = get_version(session, version_id=result.version_id or "")
     base = load_file(model_dir / "model.safetensors")
     trained = load_file(Path(row.checkpoint_path) / "model.safetensors")
     assert trained.keys() == base.keys() and all(trained[k].dtype == base[k].dtype for k in base)
     assert any(not torch.equal(base[name], trained[name]) for name in base)
-    client = gateway.client(gateway.keys["e2e"])
+    client = fresh_gateway.client(fresh_gateway.keys["e2e"])
     reply = client.chat.completions.create(
-        model=gateway.model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        model=fresh_gateway.model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
     )
     assert reply.system_fingerprint == result.version_id
 
