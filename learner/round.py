@@ -22,9 +22,7 @@ every round would repeat the verdict, or, with harmful ratings, retry them forev
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import statistics
 import threading
 import time
 import uuid
@@ -32,27 +30,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from learner.baselines import RewardHistory, assign_feedback_rewards, feedback_baseline_advantages
 from learner.collect import feedback_samples
 from learner.debug_batch import save_batch
-from learner.evaluation import EvalFailed, split_held_out
 from learner.evaluation.scoring import unscorable
-from learner.evaluation.stage import evaluate_candidate, held_out_answers, load_eval_set
-from learner.groups import GroupSettings, Scorer, build_groups
-from learner.judge import judge
-from learner.plugins import HookKind
-from learner.reward_model import RewardModelError, fit_reward_model
-from learner.rewards import feedback_reward, score_samples
-from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult
+from learner.evaluation.stage import held_out_answers, load_eval_set, trainable
+from learner.promotion import Promotion
+from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult, StageFailed
 from learner.round_metrics import write_round_metrics, write_step_metrics
+from learner.round_rewards import RoundRewards
 from learner.sample import Sample
 from learner.server_api import ServerApi
-from learner.trainers import weights_sha256
 from learner.training import TrainingRequest, run_training_child
 from storage import (
     RoundBusyError,
@@ -62,9 +53,6 @@ from storage import (
     list_rounds,
     make_engine,
     make_session_factory,
-    rating_history,
-    record_model_version,
-    set_version_status,
     start_round,
 )
 
@@ -73,10 +61,6 @@ __all__ = ["STAGES", "RoundConfig", "RoundError", "RoundResult", "run_round"]
 log = logging.getLogger(__name__)
 
 StageCallback = Callable[[str, float | None], None]  # (stage, None) when it starts, (stage, seconds) when done
-
-
-class _StageFailed(RuntimeError):
-    pass
 
 
 def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> RoundResult:
@@ -104,7 +88,7 @@ def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> 
             run.finish(status="failed", error="interrupted", metrics={"seconds": run.timer.seconds})
             raise
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StageFailed) else str(exc)
+            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StageFailed) else str(exc)
             if not _still_running(sessions, round_id):  # cancelled (admin API) or declared dead: row is final
                 return run.result("failed", error=f"the round was stopped: its row is no longer running ({error})")
             run.finish(status="failed", error=error, metrics={"seconds": run.timer.seconds})
@@ -143,12 +127,14 @@ class _Round:
         if not self.samples:
             self.finish(status="succeeded", watermark_to=self.watermark, samples_collected=collected)
             return self.result("nothing_to_learn")
+        rewards = self.rewards()
         with self.timer("reward"):
-            advantages = self.feedback_advantages()
-            score = self.fresh_scorer()
+            advantages = rewards.feedback_advantages(self.samples)
+            score = rewards.fresh_scorer()
         if score is not None:
             with self.timer("rollout"):
-                advantages = self.grouped(score)
+                batch = rewards.grouped(self.samples, score)
+            self.samples, advantages = batch.samples, batch.advantages
             if not self.samples:  # every group's rewards were equal: nothing in this data to learn
                 self.finish(status="succeeded", watermark_to=self.watermark, metrics=self.metrics)
                 return self.result("nothing_to_learn")
@@ -162,15 +148,27 @@ class _Round:
             return self.result("rollout_only")
         with self.timer("train"):
             checkpoint = self.train(request)
+        promotion = self.promotion()
         with self.timer("export"):
-            version_id = self.record_version(checkpoint)
+            sha256 = self.metrics.pop("checkpoint_sha256")
+            lineage = {"round_id": self.round_id, "base_model_path": str(self.root_dir)}
+            version_id = promotion.record(
+                checkpoint, sha256=sha256, watermark=self.watermark, metrics=self.metrics | lineage
+            )
         promote = True
         if self.config.evaluation.on:
             with self.timer("evaluate"):
-                promote = self.evaluate(checkpoint, version_id)
+                promote, measured = promotion.evaluate(
+                    checkpoint,
+                    version_id,
+                    config=self.config.evaluation,
+                    eval_set=self.eval_set(),
+                    num_threads=self.config.num_threads,
+                )
+            self.metrics |= measured
         if promote:
             with self.timer("swap"):
-                self.swap(checkpoint, version_id)
+                promotion.roll_out(checkpoint, version_id)
         self.metrics["seconds"] = self.timer.seconds
         self.finish(
             status="succeeded",
@@ -199,115 +197,19 @@ class _Round:
             )
         self.watermark = batch.watermark
         rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
-        self.samples = self.trainable(rated)
+        self.samples = trainable(rated, config.evaluation)
         if config.evaluation.holds_out:
             self.metrics["eval/held_out"] = len(rated) - len(self.samples)
         return len(batch.items)
 
-    def trainable(self, rated: list[Sample]) -> list[Sample]:
-        """``rated`` less the answers to held-out prompts, which only ever evaluate."""
-        evaluation = self.config.evaluation
-        return split_held_out(rated, evaluation.holdout_fraction)[0] if evaluation.holds_out else rated
-
-    def feedback_advantages(self) -> list[float]:
-        """Rewards from the ratings; advantage = reward minus the group mean or the user's baseline."""
-        config = self.config
-        rewards = assign_feedback_rewards(self.samples, config.reward_mapping)
-        with self.sessions() as session:
-            ratings = rating_history(session, model=self.model)
-        history = RewardHistory.of((r.user_id, feedback_reward(r, config.reward_mapping)) for r in ratings)
-        baselines = [history.baseline(s.user_id, config.baseline, config.baseline_prior_strength) for s in self.samples]
-        advantages = feedback_baseline_advantages(self.samples, baselines)
-        self.metrics |= {
-            "samples": len(self.samples),
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
-            "baseline_mean": statistics.fmean(baselines),
-            "advantage_abs_mean": statistics.fmean(abs(a) for a in advantages),
-            "response_length_mean": statistics.fmean(s.response_length for s in self.samples),
-        }
-        return advantages
-
-    def fresh_scorer(self) -> Scorer | None:
-        """How fresh rollouts get rewards; None: train on the rated answers alone."""
-        config = self.config
-        if config.reward == "feedback":
-            return None
-        if config.reward == "reward_model":
-            return self.reward_model_scorer()
-
-        def score(fresh: list[Sample]) -> None:
-            if config.reward == "judge":
-                judge(config.server_url, config.admin_key, fresh, config.judge)  # sets reward or remove
-                return
-            kinds = (HookKind.REWARD, HookKind.BATCHED_REWARD)
-            plugin = next(p for kind, p in config.plugins().items() if kind in kinds)
-            asyncio.run(score_samples(plugin, self.plugin_args(), fresh))
-
-        return score
-
-    def reward_model_scorer(self) -> Scorer | None:
-        """A reward model fitted to every rating so far, if it predicts held-out ratings well enough."""
-        config = self.config
-        with self.sessions.begin() as session:
-            history = collect_feedback(session, model=self.model, since=0, until=self.watermark)
-        rated = self.trainable([s for s in feedback_samples(history.items) if s.response_length > 0])
-        rewards = assign_feedback_rewards(rated, config.reward_mapping)
-        try:
-            model = fit_reward_model(
-                self.base_dir, rated, rewards, config=config.reward_model, num_threads=config.num_threads
-            )
-        except RewardModelError as exc:
-            self.metrics["reward_model"] = f"not used: {exc}"
-            return None
-        self.metrics |= {f"reward_model/{name}": value for name, value in model.metrics.items()}
-        saved = config.checkpoint_dir / "reward_models" / self.round_id  # inspectable, reloadable
-        model.save(saved)
-        self.metrics["reward_model_path"] = str(saved)
-        if not model.trusted:
-            self.metrics["reward_model"] = (
-                f"not used: held-out quality {model.quality:.3f} < {config.reward_model.min_quality}"
-            )
-            return None
-        self.metrics["reward_model"] = "used"
-
-        def score(fresh: list[Sample]) -> None:
-            for sample, reward in zip(fresh, model.score(fresh, num_threads=config.num_threads), strict=True):
-                sample.reward = reward
-
-        return score
-
-    def grouped(self, score: Scorer) -> list[float]:
-        """Rated answers plus scored rollouts as real groups (``learner.groups``); their advantages."""
-        config = self.config
-        plugins = config.plugins()
-        settings = GroupSettings(
-            rollout=config.rollout,
-            advantage_estimator=config.train_config.advantage_estimator,
-            std_normalization=config.train_config.grpo_std_normalization,
-            refill_attempts=config.refill_attempts,
-            dynamic_filter=plugins.get(HookKind.DYNAMIC_FILTER),
-            reward_post_process=plugins.get(HookKind.REWARD_POST_PROCESS),
-            buffer_filter=plugins.get(HookKind.BUFFER_FILTER),
+    def rewards(self) -> RoundRewards:
+        return RoundRewards(
+            self.config, self.sessions, self.model, self.round_id, self.watermark, self.base_dir, self.metrics
         )
-        batch = build_groups(
-            self.samples,
-            settings,
-            server_url=config.server_url,
-            admin_key=config.admin_key,
-            score=score,
-            args=self.plugin_args(),
-        )
-        self.samples = batch.samples
-        self.metrics |= batch.metrics
-        return batch.advantages
 
-    def plugin_args(self) -> SimpleNamespace:
-        """slime's ``args`` for plugins: the round's settings by name."""
-        config = self.config
-        return SimpleNamespace(
-            **config.summary(), model=self.model, round_id=self.round_id, server_url=config.server_url, reward_key=None
-        )
+    def promotion(self) -> Promotion:
+        parent = self.parent
+        return Promotion(self.sessions, self.server, self.model, parent["id"] if parent else None, self.base_dir)
 
     @property
     def base_dir(self) -> Path:
@@ -367,69 +269,19 @@ class _Round:
     def train(self, request: TrainingRequest) -> Path:
         """The new checkpoint folder; a failed child leaves nothing to serve."""
         if not request.base_model_dir.is_dir():
-            raise _StageFailed(
+            raise StageFailed(
                 f"the base checkpoint {request.base_model_dir} is not a folder on this machine (pass --model-dir)"
             )
         request.out_dir.parent.mkdir(parents=True, exist_ok=True)
         outcome = run_training_child(request)
         if outcome.status != "succeeded" or outcome.checkpoint is None:
-            raise _StageFailed(f"training {outcome.failure}: {outcome.error}")
+            raise StageFailed(f"training {outcome.failure}: {outcome.error}")
         self.metrics |= dict(outcome.metrics[-1]) if outcome.metrics else {}
         if outcome.evaluations:
             self.metrics["eval/training"] = list(outcome.evaluations)
         # The child hashed what it wrote; hashing again (in export) proves the folder is whole.
         self.metrics["checkpoint_sha256"] = outcome.checkpoint.sha256
         return outcome.checkpoint.path
-
-    def record_version(self, checkpoint: Path) -> str:
-        sha256 = weights_sha256(checkpoint)
-        if sha256 != self.metrics.pop("checkpoint_sha256"):
-            raise _StageFailed(f"checkpoint {checkpoint} changed after export (sha256 mismatch)")
-        version_id = checkpoint.name
-        parent = self.parent
-        with self.sessions.begin() as session:
-            record_model_version(
-                session,
-                version_id=version_id,
-                model=self.model,
-                checkpoint_path=str(checkpoint),
-                sha256=sha256,
-                parent_id=parent["id"] if parent else None,
-                watermark=self.watermark,
-                metrics={**self.metrics, "round_id": self.round_id, "base_model_path": str(self.root_dir)},
-            )
-        return version_id
-
-    def evaluate(self, checkpoint: Path, version_id: str) -> bool:
-        """Whether the candidate may serve; its version row records the evaluation and the why."""
-        parent = self.parent
-        try:
-            evaluation = evaluate_candidate(
-                self.config.evaluation,
-                self.eval_set(),
-                candidate=checkpoint,
-                serving=self.base_dir,
-                serving_version=parent["id"] if parent else None,
-                num_threads=self.config.num_threads,
-            )
-        except EvalFailed as exc:
-            self.set_status(version_id, f"evaluation failed: {str(exc).splitlines()[0]}")
-            raise _StageFailed(f"evaluating {version_id} failed: {exc}") from exc
-        self.metrics |= evaluation.metrics | {"eval/reason": evaluation.reason}
-        self.set_status(version_id, evaluation.reason, evaluation=evaluation.record)
-        return evaluation.passed
-
-    def set_status(self, version_id: str, reason: str, **values: Any) -> None:
-        with self.sessions.begin() as session:
-            set_version_status(session, version_id=version_id, status="candidate", reason=reason, **values)
-
-    def swap(self, checkpoint: Path, version_id: str) -> None:
-        try:
-            self.server.roll_out(str(checkpoint), version_id)
-        except RoundError as exc:
-            with self.sessions.begin() as session:
-                set_version_status(session, version_id=version_id, status="rejected", reason=str(exc))
-            raise _StageFailed(f"the server did not roll out {version_id}: {exc}") from exc
 
     # bookkeeping
 
@@ -503,7 +355,7 @@ class _Timer:
     def __call__(self, stage: str) -> Iterator[None]:
         # Every stage boundary checks the row, so a cancelled round stops before it trains or swaps.
         if not self.still_running():
-            raise _StageFailed(f"the round was cancelled before {stage}")
+            raise StageFailed(f"the round was cancelled before {stage}")
         if self.on_stage:
             self.on_stage(stage, None)
         started = time.perf_counter()

@@ -34,6 +34,10 @@ class RoundError(RuntimeError):
     """The round could not start (server unreachable, admin key refused, another round running)."""
 
 
+class StageFailed(RuntimeError):
+    """A stage failed for a reason its message says whole (no exception type prefixed in the round's error)."""
+
+
 def default_train_config() -> TrainConfig:
     # Logged answers may come from older versions than the one trained: TIS corrects for that.
     return TrainConfig(loss=PolicyLossConfig(use_tis=True))

@@ -25,7 +25,7 @@ from learner.rewards import FeedbackRewardMapping
 from learner.sample import Sample
 from storage.feedback_collect import FeedbackItem
 
-__all__ = ["Evaluation", "evaluate_candidate", "held_out_answers", "load_eval_set"]
+__all__ = ["Evaluation", "evaluate_candidate", "held_out_answers", "load_eval_set", "trainable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,11 @@ class Evaluation:
     reason: str
     record: dict[str, Any]
     metrics: dict[str, float]
+
+
+def trainable(rated: Sequence[Sample], config: EvalConfig) -> list[Sample]:
+    """``rated`` less the answers to held-out prompts, which only ever evaluate."""
+    return split_held_out(rated, config.holdout_fraction)[0] if config.holds_out else list(rated)
 
 
 def held_out_answers(items: Sequence[FeedbackItem], config: EvalConfig, mapping: FeedbackRewardMapping) -> list[Sample]:
