@@ -67,6 +67,15 @@ class SamplingParams:
 
 
 @dataclass(slots=True, frozen=True)
+class AdapterRef:
+    """A LoRA adapter to serve a request with: ``key`` (its version id) names it in caches, ``path``
+    is its PEFT folder."""
+
+    key: str
+    path: str
+
+
+@dataclass(slots=True, frozen=True)
 class Finish:
     type: FinishType
     matched: int | str | None = None
@@ -79,7 +88,8 @@ class TokenChunk:
 
     ``top_logprobs`` has one list of (token id, logprob) per token when asked for, else is empty.
     ``finish`` is set on the last chunk of a request (which may carry no tokens).
-    ``replica`` names the server that produced it, when a pool chose one.
+    ``replica`` names the server that produced it, when a pool chose one; ``adapter`` the LoRA
+    adapter (its key) the tokens were decoded with, None for the base weights alone.
     """
 
     token_ids: list[int]
@@ -90,6 +100,7 @@ class TokenChunk:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: Finish | None = None
     replica: str | None = None
+    adapter: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,9 +129,11 @@ class Engine(Protocol):
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """``cache_salt`` namespaces prefix-cache reuse (``server.cache_scope``): a request reuses only
-        prefixes cached under the same salt, so tenants cannot read each other's prompts through it."""
+        prefixes cached under the same salt, so tenants cannot read each other's prompts through it.
+        ``adapter``: decode with this LoRA adapter over the serving weights."""
         ...
 
     async def health(self) -> bool: ...

@@ -16,6 +16,7 @@ import orjson
 
 from server.engines.base import (
     DEFAULT_PRIORITY,
+    AdapterRef,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
@@ -24,6 +25,7 @@ from server.engines.base import (
     SamplingParams,
     TokenChunk,
 )
+from server.engines.sglang_adapters import ResidentAdapters
 from server.engines.sglang_protocol import finish_from_json, sampling_to_json
 from server.weight_delta import WeightDelta
 
@@ -48,6 +50,7 @@ class SGLangClient:
         stall_timeout_s: float = 60.0,
         connect_timeout_s: float = 5.0,
         replica: str | None = None,
+        max_loaded_adapters: int = 8,
     ) -> None:
         self.url = url.rstrip("/")
         self.replica = replica or self.url
@@ -59,6 +62,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._info: ModelInfo | None = None
         self.weight_sources: frozenset[str] = frozenset({"disk"})
+        self.adapters = ResidentAdapters(self._post, max_loaded=max_loaded_adapters)
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> SGLangClient:
@@ -146,6 +150,7 @@ class SGLangClient:
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
+        adapter: AdapterRef | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -166,6 +171,18 @@ class SGLangClient:
             # (managed CPU servers are); others ignore it. User requests keep their body unchanged.
             body["priority"] = priority
         headers = {"X-SMG-Routing-Key": session_key} if session_key else None
+        if adapter is None:
+            async for chunk in self._generate(body, headers, stream):
+                yield chunk
+            return
+        async with self.adapters.using(adapter) as name:
+            async for chunk in self._generate({**body, "lora_path": name}, headers, stream):
+                chunk.adapter = adapter.key
+                yield chunk
+
+    async def _generate(
+        self, body: dict[str, Any], headers: dict[str, str] | None, stream: bool
+    ) -> AsyncGenerator[TokenChunk, None]:
         # A one-piece reply is silent until complete: only the whole-request timeout applies to it.
         timeout = self._timeout if stream else self._silent_timeout
         try:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from server.engines.base import (
     DEFAULT_PRIORITY,
+    AdapterRef,
     EngineError,
     EngineUnavailable,
     ModelInfo,
@@ -102,13 +104,24 @@ class EnginePool:
         request_id: str | None = None,
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
         failures: list[EngineError] = []
+        options: dict[str, Any] = {
+            "session_key": session_key,
+            "cache_salt": cache_salt,
+            "request_id": request_id,
+            "stream": stream,
+            "priority": priority,
+            "adapter": adapter,
+        }
+        # An adapter's requests keep to the replicas where it is resident: its key places them.
+        affinity = adapter.key if adapter is not None else session_key
         while True:
-            replica = self.placement.choose(self.replicas.values(), session_key, exclude=tried, failures=failures)
+            replica = self.placement.choose(self.replicas.values(), affinity, exclude=tried, failures=failures)
             tried.add(replica.name)
-            attempt = self._attempt(replica, input_ids, sampling, session_key, cache_salt, request_id, stream, priority)
+            attempt = self._attempt(replica, input_ids, sampling, options)
             delivered = False
             try:
                 if stream:
@@ -158,23 +171,11 @@ class EnginePool:
         replica: Replica,
         input_ids: list[int],
         sampling: SamplingParams,
-        session_key: str | None,
-        cache_salt: str | None,
-        request_id: str | None,
-        stream: bool = True,
-        priority: int = DEFAULT_PRIORITY,
+        options: dict[str, Any],
     ) -> AsyncGenerator[TokenChunk, None]:
         """One replica's chunks, stamped with its name; counts the request in its load meanwhile."""
         replica.in_flight += 1
-        chunks = replica.client.generate(
-            input_ids,
-            sampling,
-            session_key=session_key,
-            cache_salt=cache_salt,
-            request_id=request_id,
-            stream=stream,
-            priority=priority,
-        )
+        chunks = replica.client.generate(input_ids, sampling, **options)
         first = True
         try:
             async for chunk in chunks:

@@ -33,12 +33,14 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from server.engines.base import (
     DEFAULT_PRIORITY,
+    AdapterRef,
     EngineUnavailable,
     ModelInfo,
     PauseMode,
     SamplingParams,
     TokenChunk,
 )
+from server.engines.local.lora import AdapterCache
 from server.engines.local.model_runner import ModelRunner
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.scheduler import Scheduler
@@ -68,6 +70,7 @@ class LocalEngine:
         max_batch_size: int = 16,
         max_queued_requests: int = 256,
         prefix_cache_bytes: int = 256 << 20,
+        adapter_cache_bytes: int = 256 << 20,
         torch_threads: int = 0,
         replica: str = "local-0",
     ) -> None:
@@ -77,6 +80,7 @@ class LocalEngine:
         self._served_model_name = served_model_name
         self._torch_threads = torch_threads
         self._prefix = PrefixCache(prefix_cache_bytes)
+        self.adapters = AdapterCache(adapter_cache_bytes)
         self._weights = ServedWeights(
             model,
             model_path=model_path,
@@ -137,10 +141,24 @@ class LocalEngine:
         request_id: str | None = None,
         stream: bool = True,  # a transport hint for HTTP backends; in-process chunks cost nothing
         priority: int = DEFAULT_PRIORITY,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self._runner.check_prompt(input_ids)
+        # A miss reads the folder on a worker thread: the engine thread keeps decoding everyone else.
+        loaded = (
+            await asyncio.to_thread(self.adapters.get, adapter.key, Path(adapter.path), self._model)
+            if adapter is not None
+            else None
+        )
         seq = Sequence.create(
-            request_id or uuid.uuid4().hex, input_ids, sampling, session_key, cache_salt, self._tokenizer, priority
+            request_id or uuid.uuid4().hex,
+            input_ids,
+            sampling,
+            session_key,
+            cache_salt,
+            self._tokenizer,
+            priority,
+            adapter=loaded,
         )
         with self._cond:
             if self._stopping:

@@ -11,6 +11,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from server.engines.base import EngineError, TokenChunk
 from server.engines.local.kv import BatchKV, RowKV
+from server.engines.local.lora import BatchLora
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.sampler import sample
 from server.engines.local.sequence import Sequence, deliver
@@ -35,6 +36,7 @@ class ModelRunner:
         self._model = model
         self._prefix = prefix
         self._weight_version = weight_version
+        self._lora = BatchLora(model)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
 
@@ -61,6 +63,7 @@ class ModelRunner:
             seq.cached_tokens = reuse
         cache = kv.to_cache() if kv is not None else DynamicCache(config=self._model.config)
         positions = torch.arange(reuse, len(tokens))
+        self._lora.set_rows([seq.adapter])
         out = self._model(
             input_ids=torch.tensor([tokens[reuse:]]),
             attention_mask=torch.ones((1, len(tokens)), dtype=torch.long),
@@ -76,6 +79,7 @@ class ModelRunner:
         """One token for every row of ``batch`` (row i is ``seqs[i]``) in a single forward."""
         positions = batch.next_positions()
         mask = batch.grow_mask()
+        self._lora.set_rows([seq.adapter for seq in seqs])
         out = self._model(
             input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs]),
             attention_mask=mask,
@@ -102,6 +106,7 @@ class ModelRunner:
                 cached_tokens=seq.cached_tokens,
                 top_logprobs=[sampled.top_logprobs[row]] if seq.sampling.top_logprobs else [],
                 finish=finish,
+                adapter=seq.adapter.key if seq.adapter else None,
             )
             outputs.append((seq, chunk))
         deliver(outputs)

@@ -9,6 +9,7 @@ import torch
 
 from server.detokenizer import Decoder, IncrementalDetokenizer
 from server.engines.base import Finish, SamplingParams, TokenChunk
+from server.engines.local.lora import Adapter
 
 
 @dataclass(slots=True)
@@ -17,8 +18,9 @@ class Sequence:
     input_ids: list[int]
     sampling: SamplingParams
     # The prefix cache's key: the session inside its cache salt (server.cache_scope), so two
-    # tenants sending the same session key never reach each other's cached prompt.
-    prefix_key: tuple[str, str] | None
+    # tenants sending the same session key never reach each other's cached prompt, and inside its
+    # adapter, whose keys and values differ from the base's.
+    prefix_key: tuple[str, str, str] | None
     cache_salt: str  # the fairness key too: admission takes turns between salts (tenants)
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[TokenChunk]
@@ -29,6 +31,7 @@ class Sequence:
     finish: Finish | None = None
     cancelled: bool = False
     priority: int = 0  # admission order only: higher is admitted first, running requests stay
+    adapter: Adapter | None = None
 
     @classmethod
     def create(
@@ -40,6 +43,7 @@ class Sequence:
         cache_salt: str | None,
         tokenizer: Decoder,
         priority: int = 0,
+        adapter: Adapter | None = None,
     ) -> Sequence:
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         # Stop strings are matched on text, so only those requests pay for detokenizing.
@@ -49,13 +53,14 @@ class Sequence:
             request_id,
             list(input_ids),
             sampling,
-            (cache_salt or "", session_key) if session_key else None,
+            (cache_salt or "", adapter.key if adapter else "", session_key) if session_key else None,
             cache_salt or "",
             loop,
             asyncio.Queue(),
             generator,
             detokenizer,
             priority=priority,
+            adapter=adapter,
         )
 
     @property
@@ -96,7 +101,17 @@ class Sequence:
         if self.done:
             return
         self.finish = Finish("abort", message=message)
-        self.emit(TokenChunk([], [], weight_version, len(self.input_ids), self.cached_tokens, finish=self.finish))
+        self.emit(
+            TokenChunk(
+                [],
+                [],
+                weight_version,
+                len(self.input_ids),
+                self.cached_tokens,
+                finish=self.finish,
+                adapter=self.adapter.key if self.adapter else None,
+            )
+        )
 
 
 def _put_all(outputs: list[tuple[Sequence, TokenChunk]]) -> None:
