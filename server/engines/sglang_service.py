@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from server.engines.base import DEFAULT_PRIORITY, EngineError, PauseMode, SamplingParams, TokenChunk
+from server.engines.base import DEFAULT_PRIORITY, AdapterRef, EngineError, PauseMode, SamplingParams, TokenChunk
 from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_protocol import finish_to_json, flag, sampling_from_json, spans_to_json
@@ -99,6 +99,7 @@ class EngineService:
         self.engine = engine
         self.tokenizer = tokenizer
         self.groups = UpdateGroups(engine.device)
+        self.adapters: dict[str, AdapterRef] = {}  # SGLang's loaded LoRA names -> their folders
 
     @classmethod
     async def open(cls, open_engine: Callable[[], Awaitable[LocalEngine]]) -> EngineService:
@@ -134,6 +135,9 @@ class EngineService:
         session_key = body.get("routing_key") or routing_header or body.get("session_id")
         # Higher goes first, as with SGLang's --enable-priority-scheduling; none means the default.
         priority = body.get("priority")
+        lora = body.get("lora_path")
+        if lora is not None and lora not in self.adapters:
+            raise ValueError(f"lora_path {lora!r} is not a loaded adapter (POST /load_lora_adapter first)")
         chunks = self.engine.generate(
             input_ids,
             sampling,
@@ -141,8 +145,25 @@ class EngineService:
             cache_salt=body.get("cache_salt"),
             request_id=rid,
             priority=DEFAULT_PRIORITY if priority is None else priority,
+            adapter=self.adapters[lora] if lora is not None else None,
         )
         return result, chunks
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read the folder now (a bad one is refused here, not at the first request) and name it."""
+        adapter = AdapterRef(key=name, path=path)
+        await self.engine.load_adapter(adapter)
+        self.adapters[name] = adapter
+
+    def adapters_by_name(self) -> dict[str, str]:
+        """SGLang's ``loaded_adapters``: name -> folder."""
+        return {name: ref.path for name, ref in self.adapters.items()}
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget ``name``; requests already decoding with it finish with it."""
+        if self.adapters.pop(name, None) is None:
+            raise KeyError(name)
+        self.engine.adapters.drop(name)
 
     async def healthy(self) -> bool:
         """Alive and able to generate one token (SGLang's /health_generate)."""

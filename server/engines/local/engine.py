@@ -40,7 +40,7 @@ from server.engines.base import (
     SamplingParams,
     TokenChunk,
 )
-from server.engines.local.lora import AdapterCache
+from server.engines.local.lora import Adapter, AdapterCache
 from server.engines.local.model_runner import ModelRunner
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.scheduler import Scheduler
@@ -144,12 +144,7 @@ class LocalEngine:
         adapter: AdapterRef | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self._runner.check_prompt(input_ids)
-        # A miss reads the folder on a worker thread: the engine thread keeps decoding everyone else.
-        loaded = (
-            await asyncio.to_thread(self.adapters.get, adapter.key, Path(adapter.path), self._model)
-            if adapter is not None
-            else None
-        )
+        loaded = await self.load_adapter(adapter) if adapter is not None else None
         seq = Sequence.create(
             request_id or uuid.uuid4().hex,
             input_ids,
@@ -175,6 +170,11 @@ class LocalEngine:
                 seq.cancelled = True
                 with self._cond:
                     self._cond.notify()
+
+    async def load_adapter(self, adapter: AdapterRef) -> Adapter:
+        """``adapter`` in the cache; a miss reads its folder on a worker thread, while the engine
+        thread keeps decoding everyone else."""
+        return await asyncio.to_thread(self.adapters.get, adapter.key, Path(adapter.path), self._model)
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping

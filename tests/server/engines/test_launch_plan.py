@@ -242,7 +242,9 @@ def test_python_explicit_env_installed_venv_and_fallback(monkeypatch: pytest.Mon
     assert Settings().engine.sglang_interpreter == sys.executable  # nothing installed there
     (tmp_path / "sglang" / "bin").mkdir(parents=True)
     (tmp_path / "sglang" / "bin" / "python").touch()
-    assert Settings().engine.sglang_interpreter == str(tmp_path / "sglang" / "bin" / "python")  # what setup_sglang.sh made
+    assert Settings().engine.sglang_interpreter == str(
+        tmp_path / "sglang" / "bin" / "python"
+    )  # what setup_sglang.sh made
 
 
 def test_env_is_added_after_gpu_assignment() -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -16,7 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from server.engines.base import AdapterRef, SamplingParams
 from server.engines.local.engine import LocalEngine
 from server.engines.local.lora import AdapterCache, AdapterError, read_adapter
+from server.engines.sglang_client import SGLangClient
+from server.engines.sglang_server import create_engine_app
 from tests.server.engines.helpers import collect, greedy, greedy_reference
+from tests.support.uvicorn_thread import serve_in_thread
 
 TARGETS = (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"])
 
@@ -141,3 +146,36 @@ async def test_sampling_with_an_adapter_is_seeded(
     sampling = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
     runs = await asyncio.gather(*(collect(engine, prompts[2], sampling, adapter=ref(adapters[2])) for _ in range(3)))
     assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model: Path) -> Iterator[str]:
+    app = create_engine_app(lambda: LocalEngine.open(tiny_model, torch_threads=1, max_batch_size=8))
+    with serve_in_thread(app) as url:
+        yield url
+
+
+async def test_sglang_clients_load_adapters_on_first_use_and_evict_idle_ones(
+    engine_url: str, tiny_model: Path, adapters: list[Path], prompts: list[list[int]]
+) -> None:
+    """The SGLang path (``/load_lora_adapter``, ``lora_path``) against `tandem engine`'s routes."""
+    client = await SGLangClient.open(engine_url, max_loaded_adapters=2)
+    try:
+        results = await asyncio.gather(
+            *(collect(client, prompts[i], greedy(8), adapter=ref(a)) for i, a in enumerate(adapters[:2]))
+        )
+        for i, result in enumerate(results):
+            assert result.token_ids == peft_greedy(tiny_model, adapters[i], prompts[i], 8)
+        assert sorted(client.adapters.loaded) == [adapters[0].name, adapters[1].name]
+        third = await collect(client, prompts[2], greedy(8), adapter=ref(adapters[2]))
+        assert third.token_ids == peft_greedy(tiny_model, adapters[2], prompts[2], 8)
+        assert client.adapters.loaded == [adapters[1].name, adapters[2].name]  # the least recent went
+        async with aiohttp.ClientSession() as http:
+            body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 2}, "lora_path": adapters[0].name}
+            async with http.post(engine_url + "/generate", json=body) as unloaded:
+                assert unloaded.status == 400 and "not a loaded adapter" in await unloaded.text()
+            bad = {"lora_name": "bad", "lora_path": str(adapters[0].parent / "nothing")}
+            async with http.post(engine_url + "/load_lora_adapter", json=bad) as refused:
+                assert refused.status == 400 and (await refused.json())["success"] is False
+    finally:
+        await client.close()
