@@ -121,6 +121,7 @@ class Completion(Base):
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata")
     model: Mapped[str] = mapped_column(String(256))
     weight_version: Mapped[str] = mapped_column(String(128))
+    adapter_id: Mapped[str | None] = mapped_column(String(128))  # the LoRA adapter it was served with
     engine_replica: Mapped[str] = mapped_column(String(256))
     prompt_token_ids: Mapped[bytes] = mapped_column(LargeBinary)
     prompt_tokens: Mapped[int]
@@ -360,3 +361,61 @@ class DataDeletion(Base):
     deleted_at: Mapped[datetime] = mapped_column(default=utcnow)
     actor: Mapped[str] = mapped_column(String(200))
     counts: Mapped[dict[str, Any]]
+
+
+ADAPTER_SCOPES = ("user", "cohort", "tenant")
+
+
+class Adapter(Base):
+    """A LoRA adapter version over a base model version, for one scope of one tenant (a user, a
+    cohort, or the whole tenant); at most one ``serving`` adapter per scope."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", VERSION_STATUSES), name="status"),
+        CheckConstraint(_one_of("scope_kind", ADAPTER_SCOPES), name="scope_kind"),
+        Index("ix_adapters_tenant_id_scope_kind_scope", "tenant_id", "scope_kind", "scope"),
+        Index(
+            "uq_adapters_model_tenant_id_scope_kind_scope_serving",
+            "model",
+            "tenant_id",
+            "scope_kind",
+            "scope",
+            unique=True,
+            postgresql_where=text("status = 'serving'"),
+            sqlite_where=text("status = 'serving'"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    scope_kind: Mapped[str] = mapped_column(String(16))
+    scope: Mapped[str] = mapped_column(NulSafeString(256))
+    # The base version it was trained over (None: the start-up weights); no foreign key, as with
+    # served versions, a base may be pruned while its adapters' rows stay for the audit trail.
+    base_version_id: Mapped[str | None] = mapped_column(String(128))
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("adapters.id", ondelete="SET NULL"))
+    checkpoint_path: Mapped[str] = mapped_column(NulSafeText())
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    status_reason: Mapped[str | None] = mapped_column(NulSafeText())
+    watermark: Mapped[int | None] = mapped_column(BigInteger)
+    ratings: Mapped[int] = mapped_column(default=0)
+    metrics: Mapped[dict[str, Any]]
+    evaluation: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    promoted_at: Mapped[datetime | None]
+    retired_at: Mapped[datetime | None]
+
+
+class CohortMember(Base):
+    """A user's cohort within a tenant (at most one): the scope served when the user has no adapter."""
+
+    __tablename__ = "cohort_members"
+    __table_args__ = (Index("ix_cohort_members_tenant_id_cohort", "tenant_id", "cohort"),)
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    end_user: Mapped[str] = mapped_column(NulSafeString(256), primary_key=True)
+    cohort: Mapped[str] = mapped_column(NulSafeString(256))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
