@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from server.response_models import ObjectList, ObjectPage, view_model
+from storage.adapters import AdapterView
 from storage.audit import AdminActionView
 from storage.completions import CompletionView
 from storage.data_deletions import DeletionView
@@ -148,6 +149,7 @@ class UserDataExport(BaseModel):
     sessions: list[SessionView]
     completions: list[CompletionView]
     deletions: list[DeletionView] = Field(description="Earlier deletions of the same user")
+    adapters: list[AdapterView] = Field(description="Their personal LoRA adapter versions")
 
 
 class UserDataDeletion(BaseModel):

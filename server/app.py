@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from migrations.migrate import upgrade
+from server.adapter_directory import AdapterDirectory
 from server.auth import Authenticator, AuthPolicy
 from server.body_limit import BodyLimitMiddleware
 from server.chat_service import ChatService
@@ -177,10 +178,20 @@ async def _start_services(
         serving = await open_engine(settings, given.model_path)
         stack.push_async_callback(serving.close)
     tokenizer = await asyncio.to_thread(_load_tokenizer, settings, serving)
-    chat = ChatService(serving, tokenizer, log)
+    adapters = AdapterDirectory(
+        sessions,
+        serving.model_info().served_model_name,
+        enabled=settings.adapters.enabled,
+        disabled_tenants=settings.adapters.disabled_tenants,
+        refresh_s=settings.adapters.refresh_s,
+    )
+    await adapters.start()
+    stack.push_async_callback(adapters.close)
+    chat = ChatService(serving, tokenizer, log, adapters)
     stack.push_async_callback(chat.close)
     state = app.state
     state.chat = chat
+    state.adapters = adapters
     state.completions = CompletionService(log, sessions)
     state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
     state.distributed = DistributedRollouts(state.weights, serving)

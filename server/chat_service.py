@@ -13,6 +13,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from server.adapter_directory import AdapterDirectory, ServedAdapter
 from server.auth import Identity
 from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState, TokenText
@@ -49,6 +50,7 @@ class ChatCall:
     started: float
     created_at: float
     log_fields: dict[str, Any]
+    adapter: ServedAdapter | None = None  # resolved once: a swap meanwhile changes the next request
     states: list[ChoiceState] = field(default_factory=list)
     first_token_at: float | None = None
 
@@ -107,6 +109,7 @@ class ChatService:
         engine: Engine,
         tokenizer: PreTrainedTokenizerBase,
         log: ConversationLog,
+        adapters: AdapterDirectory | None = None,
     ) -> None:
         info = engine.model_info()
         self.engine = engine
@@ -117,6 +120,7 @@ class ChatService:
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
         self.log = log
+        self.adapters = adapters
         self._background: set[asyncio.Task[None]] = set()
         self._created = int(time.time())
 
@@ -188,11 +192,17 @@ class ChatService:
             started=started,
             created_at=time.time(),
             log_fields=log_fields,
+            adapter=self.adapters.resolve(identity.tenant_id, request.user) if self.adapters else None,
         )
         call.states = [
             ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
         ]
-        log_fields.update(completion_id=call.id, tenant_id=identity.tenant_id, prompt_tokens=len(prompt_ids))
+        log_fields.update(
+            completion_id=call.id,
+            tenant_id=identity.tenant_id,
+            prompt_tokens=len(prompt_ids),
+            adapter_id=call.adapter.id if call.adapter else None,
+        )
         return call
 
     def _generate(self, call: ChatCall) -> AsyncGenerator[tuple[int, TokenChunk], None]:
@@ -205,6 +215,7 @@ class ChatService:
                 request_id=f"{call.id}-{i}",
                 # A buffered answer reaches nobody before it is complete, so a pool may retry it anywhere.
                 stream=call.request.stream,
+                adapter=call.adapter.ref if call.adapter else None,
             )
             for i, sampling in enumerate(call.sampling)
         ]
@@ -376,6 +387,7 @@ class ChatService:
             end_user=request.user,
             session_key=call.session_key,
             metadata=dict(request.metadata or {}),
+            adapter_id=call.adapter.id if call.adapter else None,
         )
 
     def _remember(self, call: ChatCall) -> None:

@@ -36,6 +36,7 @@ async def open_local_engine(settings: Settings, model_path: Path, *, weight_vers
         max_batch_size=settings.engine.max_batch_size,
         max_queued_requests=settings.engine.max_queued_requests,
         prefix_cache_bytes=settings.engine.prefix_cache_bytes,
+        adapter_cache_bytes=settings.adapters.cache_bytes,
         weight_version=weight_version,
     )
 
@@ -48,6 +49,7 @@ def pool_config(settings: Settings) -> PoolConfig:
         health_interval_s=settings.routing.health_interval_s,
         health_timeout_s=settings.routing.health_timeout_s or settings.routing.health_interval_s,
         healthy_after=settings.routing.healthy_after,
+        max_loaded_adapters=settings.adapters.max_loaded,
     )
 
 

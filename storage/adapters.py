@@ -223,5 +223,9 @@ def cohorts(session: Session, *, tenant_id: str | None = None) -> dict[tuple[str
     return found
 
 
-def leave_cohorts(session: Session, *, tenant_id: str, end_user: str) -> None:
-    session.execute(delete(_MEMBERS).where(_MEMBERS.c.tenant_id == tenant_id, _MEMBERS.c.end_user == end_user))
+def leave_cohorts(session: Session, *, tenant_id: str, end_user: str) -> int:
+    """Take ``end_user`` out of their cohort; how many memberships went (0 or 1)."""
+    result: Any = session.execute(
+        delete(_MEMBERS).where(_MEMBERS.c.tenant_id == tenant_id, _MEMBERS.c.end_user == end_user)
+    )
+    return int(result.rowcount)

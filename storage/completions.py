@@ -60,6 +60,7 @@ class CompletionView:
     previous_completion_id: str | None
     model: str
     weight_version: str
+    adapter_id: str | None
     engine_replica: str
     request_messages: list[dict[str, Any]]
     sampling_params: dict[str, Any]
@@ -132,6 +133,7 @@ def _view(
         previous_completion_id=completion.previous_completion_id,
         model=completion.model,
         weight_version=completion.weight_version,
+        adapter_id=completion.adapter_id,
         engine_replica=completion.engine_replica,
         request_messages=completion.request_messages,
         sampling_params=completion.sampling_params,

@@ -117,6 +117,7 @@ def _insert_completions(session: Session, new: list[CompletionRecord]) -> None:
                 "metadata": rec.metadata,
                 "model": rec.model,
                 "weight_version": rec.weight_version,
+                "adapter_id": rec.adapter_id,
                 "engine_replica": rec.engine_replica,
                 "prompt_token_ids": encode_token_ids(rec.prompt_token_ids),
                 "prompt_tokens": rec.prompt_tokens,

@@ -51,6 +51,7 @@ class CompletionRecord:
     end_user: str | None = None
     session_key: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    adapter_id: str | None = None  # the LoRA adapter it was served with; None: the base alone
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, delete, or_, select
 from sqlalchemy.orm import Session
 
+from storage.adapters import AdapterView, delete_user_adapters, leave_cohorts, list_adapters
 from storage.completions import CompletionView, completion_views
 from storage.data_deletions import DeletionView, list_deletions, lock_for_deletion, record_deletion
 from storage.learning_errors import NotFoundError
@@ -63,6 +64,7 @@ class UserData:
     sessions: tuple[SessionView, ...]
     completions: tuple[CompletionView, ...]
     deletions: tuple[DeletionView, ...]
+    adapters: tuple[AdapterView, ...]  # their personal LoRA adapters' versions (the folders are theirs too)
 
 
 def export_user_data(session: Session, *, tenant_id: str, end_user: str) -> UserData:
@@ -84,6 +86,7 @@ def export_user_data(session: Session, *, tenant_id: str, end_user: str) -> User
         sessions=tuple(SessionView(s.session_key, s.created_at, s.last_seen_at, s.turn_count) for s in sessions),
         completions=tuple(completion_views(session, _owned_completions(user.id))),
         deletions=tuple(list_deletions(session, tenant_id=tenant_id, end_user=end_user)),
+        adapters=list_adapters(session, tenant_id=tenant_id, scope_kind="user", scope=end_user, limit=1_000_000),
     )
 
 
@@ -108,6 +111,8 @@ def delete_user_data(
         "completions": _delete(session, Completion, owned),
         "sessions": _delete(session, ConversationSession, ConversationSession.end_user_id == user.id),
         "end_users": _delete(session, EndUser, EndUser.id == user.id),
+        "adapters": len(delete_user_adapters(session, tenant_id=tenant_id, end_user=end_user)),
+        "cohort_members": leave_cohorts(session, tenant_id=tenant_id, end_user=end_user),
     }
     return record_deletion(session, tenant_id=tenant_id, end_user=end_user, actor=actor, counts=counts, now=now)
 

@@ -272,6 +272,37 @@ class ObservabilitySettings(_Group):
         return value
 
 
+def _adapter(name: str, default: Any = ..., **kwargs: Any) -> Any:
+    return flat(f"adapter_{name}", default, **kwargs)
+
+
+class AdapterSettings(_Group):
+    """Per-user and per-cohort LoRA adapters (``TANDEM_ADAPTER_*``, docs/adapters.md)."""
+
+    enabled: bool = _adapter("enabled", True, description="serve each user's, cohort's or tenant's adapter")
+    disabled_tenants: list[str] = _adapter(
+        "disabled_tenants", default_factory=list, description="tenants served by the base alone"
+    )
+    refresh_s: float = _adapter(
+        "refresh_s",
+        5.0,
+        gt=0,
+        description="how often a gateway rereads which adapters serve (its own changes: at once)",
+    )
+    cache_bytes: int = _adapter("cache_bytes", 256 << 20, ge=0, description="local engine: resident adapters' bytes")
+    max_loaded: int = _adapter("max_loaded", 8, ge=1, description="SGLang: adapters resident per replica")
+    rank: int = _adapter("rank", 16, ge=1)
+    alpha: float = _adapter("alpha", 32.0, gt=0)
+    dropout: float = _adapter("dropout", 0.0, ge=0, lt=1)
+    target_modules: list[str] = _adapter(
+        "target_modules",
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    min_ratings: int = _adapter("min_ratings", 8, ge=1, description="new ratings of a scope before it trains")
+    learning_rate: float = _adapter("learning_rate", 1e-3, gt=0)
+    steps: int = _adapter("steps", 4, ge=1, description="optimizer steps per scope per round")
+
+
 GROUPS: dict[str, type[_Group]] = {
     "server": ServerSettings,
     "engine": EngineSettings,
@@ -280,6 +311,7 @@ GROUPS: dict[str, type[_Group]] = {
     "learner": LearnerSettings,
     "evaluation": EvaluationSettings,
     "observability": ObservabilitySettings,
+    "adapters": AdapterSettings,
 }
 
 
@@ -354,6 +386,7 @@ class Settings(BaseSettings):
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
 
     @classmethod
     def settings_customise_sources(

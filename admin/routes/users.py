@@ -8,6 +8,8 @@ tombstone and its effect on journaled records are ``storage.data_deletions``'.
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -21,6 +23,7 @@ from admin.schemas import UserDataDeletion, UserDataExport
 from server.errors import ApiError
 from server.routes.deps import NUL_ALLOWED, AdminDep, json_response
 from server.schemas import ERRORS
+from storage.adapters import list_adapters
 from storage.learning_errors import NotFoundError
 from storage.tenants import DEFAULT_TENANT_ID
 from storage.user_data import delete_user_data, export_user_data
@@ -65,6 +68,7 @@ async def export_data(
             "sessions": data.sessions,
             "completions": data.completions,
             "deletions": data.deletions,
+            "adapters": data.adapters,
         }
 
     return json_response(await in_thread(read, sessions, work))
@@ -74,11 +78,17 @@ async def export_data(
 async def delete_data(
     user: User, actor: ActorDep, sessions: SessionsDep, request: Request, tenant: Tenant = DEFAULT_TENANT_ID
 ) -> Response:
-    """Delete everything stored about the end user in one transaction; answers the tombstone."""
+    """Delete everything stored about the end user in one transaction; answers the tombstone.
+
+    Their adapter stops serving at once (before the transaction), and its folders go after it."""
     await _land_journal(request)
+    request.app.state.adapters.forget_user(tenant, user)
+    folders: list[str] = []
 
     def work(session: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         get_tenant(session, tenant)
+        adapters = list_adapters(session, tenant_id=tenant, scope_kind="user", scope=user, limit=1_000_000)
+        folders.extend(a.checkpoint_path for a in adapters)
         try:
             deletion = delete_user_data(session, tenant_id=tenant, end_user=user, actor=actor)
         except NotFoundError as exc:
@@ -92,7 +102,14 @@ async def delete_data(
         }
         return body, {"tenant_id": tenant, "counts": deletion.counts}
 
-    return json_response(await audited(sessions, work, actor=actor, action="user_data.delete", target=user))
+    body = await audited(sessions, work, actor=actor, action="user_data.delete", target=user)
+    await asyncio.to_thread(_remove_folders, folders)
+    return json_response(body)
+
+
+def _remove_folders(folders: list[str]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)  # one already gone (or never on this host) is fine
 
 
 async def _land_journal(request: Request) -> None:

@@ -16,6 +16,7 @@ class PoolConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 5.0  # at most the interval, so a dead replica leaves within two intervals
     healthy_after: int = 2  # passed probes in a row before an ejected replica takes traffic again
+    max_loaded_adapters: int = 8  # LoRA adapters resident per SGLang replica (server.engines.sglang_adapters)
 
     def __post_init__(self) -> None:
         if self.load_factor <= 0:

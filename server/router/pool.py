@@ -66,7 +66,13 @@ class EnginePool:
         stall_timeout_s: float = 60.0,
         supervisor: Supervisor | None = None,
     ) -> EnginePool:
-        clients = [SGLangClient(url, timeout_s=request_timeout_s, stall_timeout_s=stall_timeout_s) for url in urls]
+        adapters = (config or PoolConfig()).max_loaded_adapters
+        clients = [
+            SGLangClient(
+                url, timeout_s=request_timeout_s, stall_timeout_s=stall_timeout_s, max_loaded_adapters=adapters
+            )
+            for url in urls
+        ]
         pool = cls(clients, config, supervisor=supervisor)
         try:
             await pool.start(start_timeout_s)

@@ -15,6 +15,7 @@ from server.schemas import ERRORS, ChatCompletionRequest
 
 router = APIRouter()
 
+ADAPTER_HEADER = "X-Tandem-Adapter"
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -39,7 +40,11 @@ async def create_chat_completion(
 ) -> Response:
     call = await service.accept(body, identity, session_header=x_session_id, log_fields=fields)
     await admission.charge_tokens(call.token_budget)
+    # Which adapter answered (none: the base alone); the weight version is the system_fingerprint.
+    served_by = {ADAPTER_HEADER: call.adapter.id} if call.adapter else {}
     if body.stream:
         stream = await service.open_stream(call)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=_STREAM_HEADERS)
-    return json_response(await service.complete(call))
+        return StreamingResponse(stream, media_type="text/event-stream", headers={**_STREAM_HEADERS, **served_by})
+    response = json_response(await service.complete(call))
+    response.headers.update(served_by)
+    return response

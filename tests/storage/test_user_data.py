@@ -128,6 +128,8 @@ def test_deleted_data_never_reaches_a_later_round(engine: Engine) -> None:
         "completions": 3,
         "sessions": 1,
         "end_users": 1,
+        "adapters": 0,
+        "cohort_members": 0,
     }
     assert (deletion.tenant_id, deletion.end_user, deletion.actor) == (t.tenant, "alice", ACTOR)
     with make_session_factory(engine)() as session:
