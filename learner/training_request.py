@@ -18,7 +18,35 @@ if TYPE_CHECKING:
     # trainer (and the GPU benchmarks importing it) must not need.
     from learner.evaluation.config import EvalMethod
 
-__all__ = ["TrainingRequest"]
+__all__ = ["AdapterSpec", "TrainingRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """Train a LoRA adapter over the frozen base instead of the base itself (peft's ``LoraConfig``).
+
+    ``init_dir``: continue from this adapter folder (the scope's serving adapter); None: a fresh one.
+    """
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    init_dir: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "init_dir": None if self.init_dir is None else str(self.init_dir)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AdapterSpec:
+        init_dir = data.get("init_dir")
+        return cls(
+            **{
+                **data,
+                "target_modules": tuple(data["target_modules"]),
+                "init_dir": Path(init_dir) if init_dir else None,
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +72,8 @@ class TrainingRequest:
     eval_every: int = 0
     eval_set: tuple[Sample, ...] = ()
     eval_method: EvalMethod = field(default_factory=lambda: _eval_method({}))
+    # A LoRA adapter over the base (the torch backend): out_dir becomes a PEFT adapter folder.
+    adapter: AdapterSpec | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -61,6 +91,8 @@ class TrainingRequest:
             errors.append(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.eval_every < 0 or (self.eval_every > 0 and not self.eval_set):
             errors.append("eval_every must be >= 0, and > 0 only with an eval_set")
+        if self.adapter is not None and self.config.backend != "torch":
+            errors.append("adapters train on the torch backend only (the megatron backend trains the whole base)")
         if errors:
             raise ValueError("invalid training request: " + "; ".join(errors))
 
@@ -74,6 +106,7 @@ class TrainingRequest:
             config=dataclasses.asdict(self.config),
             eval_set=[s.to_dict() for s in self.eval_set],
             eval_method=dataclasses.asdict(self.eval_method),
+            adapter=None if self.adapter is None else self.adapter.to_dict(),
         )
         return json.dumps(data)
 
@@ -91,6 +124,7 @@ class TrainingRequest:
             advantages=None if data.get("advantages") is None else tuple(data["advantages"]),
             eval_set=tuple(Sample.from_dict(s) for s in data.get("eval_set", ())),
             eval_method=_eval_method(data.get("eval_method", {})),
+            adapter=None if data.get("adapter") is None else AdapterSpec.from_dict(data["adapter"]),
         )
         return cls(**data)
 

@@ -292,7 +292,7 @@ class AdapterSettings(_Group):
     cache_bytes: int = _adapter("cache_bytes", 256 << 20, ge=0, description="local engine: resident adapters' bytes")
     max_loaded: int = _adapter("max_loaded", 8, ge=1, description="SGLang: adapters resident per replica")
     rank: int = _adapter("rank", 16, ge=1)
-    alpha: float = _adapter("alpha", 32.0, gt=0)
+    alpha: int = _adapter("alpha", 32, ge=1)
     dropout: float = _adapter("dropout", 0.0, ge=0, lt=1)
     target_modules: list[str] = _adapter(
         "target_modules",

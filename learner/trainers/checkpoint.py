@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "ExportResult",
     "checkpoint_dtype",
+    "export_adapter",
     "export_checkpoint",
     "export_state_dict",
     "weights_sha256",
@@ -104,20 +105,14 @@ def _stamp_dtype(config_path: Path, dtype: torch.dtype) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Callable[[Path], None]) -> ExportResult:
-    """Stage ``write(staging)`` plus the source's tokenizer, stamp ``dtype``, hash, rename to ``out_dir``."""
+def _publish(out_dir: Path, write: Callable[[Path], None]) -> ExportResult:
+    """Stage ``write(staging)``, sync, hash, and rename it to ``out_dir``: readers see all or nothing."""
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} exists: checkpoints are never overwritten")
-    tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if not tokenizer_files:
-        raise CheckpointError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         write(staging)
-        _stamp_dtype(staging / "config.json", dtype)
-        for file in tokenizer_files:
-            shutil.copy2(file, staging / file.name)
         _fsync_tree(staging)
         sha256 = weights_sha256(staging)
         os.rename(staging, out_dir)
@@ -125,6 +120,27 @@ def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Ca
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(path=out_dir, sha256=sha256)
+
+
+def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Callable[[Path], None]) -> ExportResult:
+    """Publish ``write(staging)`` plus the source's tokenizer, with ``dtype`` stamped in the config."""
+    tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not tokenizer_files:
+        raise CheckpointError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+
+    def write_checkpoint(staging: Path) -> None:
+        write(staging)
+        _stamp_dtype(staging / "config.json", dtype)
+        for file in tokenizer_files:
+            shutil.copy2(file, staging / file.name)
+
+    return _publish(out_dir, write_checkpoint)
+
+
+def export_adapter(model: torch.nn.Module, out_dir: Path) -> ExportResult:
+    """Write a peft model's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors),
+    the format the engines load; the base weights are not written."""
+    return _publish(Path(out_dir), lambda staging: model.save_pretrained(staging, safe_serialization=True))  # type: ignore[operator]
 
 
 def export_checkpoint(

@@ -29,9 +29,9 @@ import torch
 
 from learner.child_process import run_child, write_outcome
 from learner.megatron_config import check_model
-from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_checkpoint
+from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_adapter, export_checkpoint
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
-from learner.training_request import TrainingRequest
+from learner.training_request import AdapterSpec, TrainingRequest
 
 __all__ = ["FailureKind", "TrainingOutcome", "run_training_child"]
 
@@ -162,20 +162,23 @@ def _train(
     ref_model = None
     if request.config.loss.kl_loss_coef != 0:
         ref_model = load(request.reference_model_dir or request.base_model_dir).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=request.learning_rate, weight_decay=request.weight_decay)
+    # The trained module: the model itself, or the model frozen under a LoRA adapter.
+    policy = model if request.adapter is None else _with_adapter(model, request.adapter)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=request.learning_rate, weight_decay=request.weight_decay)
     samples = list(request.samples)
     advantages = None if request.advantages is None else torch.tensor(request.advantages, dtype=torch.float32)
     old_log_probs = None
     if request.num_steps > 1 and not request.config.use_rollout_logprobs:
         # PPO's ratio is against the policy before this rollout's first step, for every step.
-        old_log_probs = response_log_probs(model, samples, request.config.max_tokens_per_micro_batch)
+        old_log_probs = response_log_probs(policy, samples, request.config.max_tokens_per_micro_batch)
     evaluate = _periodic_eval(request)
     if evaluate is not None:
-        evaluations.append(evaluate(model, 0))
+        evaluations.append(evaluate(policy, 0))
     for step in range(1, request.num_steps + 1):
         metrics.append(
             train_step(
-                model,
+                policy,
                 optimizer,
                 samples,
                 request.config,
@@ -185,10 +188,25 @@ def _train(
             )
         )
         if evaluate is not None and step % request.eval_every == 0:
-            evaluations.append(evaluate(model, step))
+            evaluations.append(evaluate(policy, step))
+    if request.adapter is not None:
+        return export_adapter(policy, request.out_dir)
     return export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
     )
+
+
+def _with_adapter(model: torch.nn.Module, spec: AdapterSpec) -> torch.nn.Module:
+    """``model`` frozen under a trainable LoRA adapter: ``spec.init_dir``'s weights, or a fresh one
+    (peft's initialisation: B = 0, so training starts from the base's own answers)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if spec.init_dir is not None:
+        return PeftModel.from_pretrained(model, spec.init_dir, is_trainable=True)
+    config = LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=list(spec.target_modules)
+    )
+    return get_peft_model(model, config)
 
 
 def main(argv: list[str]) -> int:
