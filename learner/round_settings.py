@@ -7,11 +7,13 @@ from typing import Literal
 
 from learner.evaluation import EvalConfig, EvalMethod
 from learner.megatron_config import MegatronConfig
+from learner.personal_round import PersonalRoundConfig
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig
 from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
+from learner.training_request import AdapterSpec
 from tandem.settings import Settings
 
 __all__ = ["check_learner_settings", "eval_config", "round_config", "train_config"]
@@ -95,4 +97,22 @@ def round_config(
         save_batch_dir=settings.learner.save_batch_dir,
         train_config=train_config(settings),
         evaluation=eval_config(settings),
+    )
+
+
+def personal_round_config(settings: Settings, base: RoundConfig) -> PersonalRoundConfig:
+    """A personal round's config: ``base`` (server, data, rewards, losses) plus the adapter settings."""
+    adapters = settings.adapters
+    spec = AdapterSpec(
+        rank=adapters.rank,
+        alpha=adapters.alpha,
+        dropout=adapters.dropout,
+        target_modules=tuple(adapters.target_modules),
+    )
+    return PersonalRoundConfig(
+        base=base,
+        adapter=spec,
+        learning_rate=adapters.learning_rate,
+        num_steps=adapters.steps,
+        min_ratings=adapters.min_ratings,
     )

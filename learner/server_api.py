@@ -60,6 +60,14 @@ class ServerApi:
         path = f"/admin/weights/distributed/{session}/{'commit' if committed else 'abort'}"
         return self._call("POST", None if committed or not reason else {"reason": reason[:2000]}, path)
 
+    def promote_adapter(self, adapter_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Serve the candidate adapter ``adapter_id`` for its scope from the next request on.
+
+        Raises:
+            RoundError: refused (not a candidate, unknown) or unreachable.
+        """
+        return self._call("POST", {"reason": reason} if reason else {}, f"/admin/adapters/{adapter_id}/promote")
+
     def _call(self, method: str, body: dict[str, Any] | None, path: str = "/admin/weights") -> dict[str, Any]:
         try:
             response = httpx.request(method, self._url + path, json=body, headers=self._headers, timeout=self._timeout)

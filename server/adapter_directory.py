@@ -6,13 +6,18 @@ when the database does): it is read at start-up, again after every change this g
 through the admin API (promotion, rollback, reset, cohorts, a user's deletion), and every
 ``refresh_s`` for changes made through another gateway. A swap is a new entry: requests already
 running keep the adapter they started with, the next request gets the new one.
+
+An adapter serves only over the base it was trained on (``base_version_id``, the weight version the
+server reported; None: any base, for adapters an operator registered): when the base changes, the
+scopes fall back to the base alone until a personal round trains them again, continuing from their
+stored adapter weights (docs/adapters.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -31,11 +36,13 @@ class ServedAdapter:
     id: str
     scope_kind: str
     scope: str
+    base_version_id: str | None
     ref: AdapterRef
 
 
 def _served(adapter: AdapterView) -> ServedAdapter:
-    return ServedAdapter(adapter.id, adapter.scope_kind, adapter.scope, AdapterRef(adapter.id, adapter.checkpoint_path))
+    ref = AdapterRef(adapter.id, adapter.checkpoint_path)
+    return ServedAdapter(adapter.id, adapter.scope_kind, adapter.scope, adapter.base_version_id, ref)
 
 
 class AdapterDirectory:
@@ -43,6 +50,7 @@ class AdapterDirectory:
         self,
         sessions: sessionmaker[Session],
         model: str,
+        serving_version: Callable[[], str],
         *,
         enabled: bool = True,
         disabled_tenants: Iterable[str] = (),
@@ -50,6 +58,7 @@ class AdapterDirectory:
     ) -> None:
         self._sessions = sessions
         self._model = model
+        self._serving_version = serving_version
         self._enabled = enabled
         self._disabled = frozenset(disabled_tenants)
         self._refresh_s = refresh_s
@@ -68,7 +77,12 @@ class AdapterDirectory:
             if cohort is not None:
                 candidates.append((tenant_id, "cohort", cohort))
         candidates.append((tenant_id, "tenant", tenant_id))
-        return next((self._serving[s] for s in candidates if s in self._serving), None)
+        base = self._serving_version()
+        for scope in candidates:
+            adapter = self._serving.get(scope)
+            if adapter is not None and adapter.base_version_id in (None, base):
+                return adapter
+        return None
 
     def forget_user(self, tenant_id: str, user: str) -> None:
         """Stop serving ``user``'s adapter now (their data is being deleted), before any reread."""

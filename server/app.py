@@ -181,6 +181,7 @@ async def _start_services(
     adapters = AdapterDirectory(
         sessions,
         serving.model_info().served_model_name,
+        lambda: serving.model_info().weight_version,
         enabled=settings.adapters.enabled,
         disabled_tenants=settings.adapters.disabled_tenants,
         refresh_s=settings.adapters.refresh_s,

@@ -34,7 +34,7 @@ from storage.completions import (
 from storage.conversation_writes import WriteResult, write_records
 from storage.db import make_engine, make_session_factory
 from storage.feedback_collect import FeedbackBatch, FeedbackItem, RatingRecord, collect_feedback, rating_history
-from storage.feedback_count import count_feedback_since
+from storage.feedback_count import count_feedback_by_user, count_feedback_since
 from storage.learning_errors import LearningStateError, NotFoundError, RoundBusyError
 from storage.model_versions import (
     ModelVersionView,
@@ -82,6 +82,7 @@ __all__ = [
     "collect_feedback",
     "completion_tenant",
     "count_active_api_keys",
+    "count_feedback_by_user",
     "count_feedback_since",
     "create_api_key",
     "delete_user_adapters",

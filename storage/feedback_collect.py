@@ -33,6 +33,7 @@ All functions run inside the caller's transaction; the caller commits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, cast
@@ -93,12 +94,14 @@ def collect_feedback(
     max_age: timedelta | None = None,
     limit: int | None = None,
     until: int | None = None,
+    end_users: Sequence[str] | None = None,
 ) -> FeedbackBatch:
     """Rated choices of ``model`` whose rating changed after watermark ``since``.
 
     Args:
         since: the previous round's watermark (``last_watermark``); 0 for the first round.
         tenant_id, end_user: only this tenant's / end user's feedback (the others are passed over).
+        end_users: only these end users' feedback (a cohort).
         max_age: only completions created at most this long ago.
         limit: at most this many items; the watermark then stops at the last one returned.
         until: no change numbered above this (a history read up to a round's watermark).
@@ -116,6 +119,8 @@ def collect_feedback(
         query = query.where(Completion.tenant_id == tenant_id)
     if end_user is not None:
         query = query.where(EndUser.external_id == end_user)
+    if end_users is not None:
+        query = query.where(EndUser.external_id.in_(list(end_users)))
     if max_age is not None:
         query = query.where(Completion.created_at >= utcnow() - max_age)
     if limit is not None:

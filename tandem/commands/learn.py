@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
 
 from learner.plugins import PluginError
 from tandem.commands.db import DatabaseUrl, resolve_database_url
+
+if TYPE_CHECKING:
+    from learner.personal_round import PersonalRoundConfig
 
 console = Console()
 errors = Console(stderr=True)
@@ -64,6 +67,14 @@ def learn_command(
     rollout_only: Annotated[
         bool, typer.Option("--rollout-only", help="Collect, score and save the batch; no training, nothing served.")
     ] = False,
+    personal: Annotated[
+        bool,
+        typer.Option(
+            "--personal",
+            help="Train and serve the LoRA adapter of every user and cohort with enough new ratings "
+            "[TANDEM_ADAPTER_*] (docs/adapters.md).",
+        ),
+    ] = False,
 ) -> None:
     """Run one learning round now: feedback -> rewards (-> rollouts) -> training -> new version -> hot swap.
 
@@ -71,7 +82,7 @@ def learn_command(
     learner settings (TANDEM_LEARN_*), as for scheduled rounds.
     """
     from learner.round import RoundError, run_round
-    from learner.round_settings import round_config
+    from learner.round_settings import personal_round_config, round_config
     from tandem.commands.load_settings import load_settings
 
     overrides = {
@@ -104,6 +115,9 @@ def learn_command(
     except (ValueError, PluginError) as exc:
         errors.print(f"[red]tandem learn: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(code=2) from exc
+    if personal:
+        _personal_round(personal_round_config(settings, config))
+        return
     with console.status("starting the round") as status:
 
         def on_stage(stage: str, seconds: float | None) -> None:
@@ -139,3 +153,29 @@ def learn_command(
         f"round {result.round_id}: {result.samples} samples, {rewards}, {outcome}",
         soft_wrap=True,  # one line, whatever the terminal width
     )
+
+
+def _personal_round(config: PersonalRoundConfig) -> None:
+    from learner.personal_round import ScopeResult, run_personal_round
+    from learner.round import RoundError
+
+    with console.status("finding the scopes with new ratings") as status:
+
+        def on_scope(result: ScopeResult) -> None:
+            line = f"{result.scope_kind} {result.tenant_id}/{result.scope}: {result.status}"
+            detail = f" adapter {result.adapter_id}, {result.samples} samples, {result.seconds:.1f} s"
+            console.print(line + (detail if result.adapter_id else f" {result.error or ''}"), soft_wrap=True)
+            status.update("training the next scope")
+
+        try:
+            result = run_personal_round(config, on_scope=on_scope)
+        except RoundError as exc:
+            errors.print(f"[red]tandem learn --personal: {exc}[/red]", soft_wrap=True)
+            raise typer.Exit(code=1) from exc
+    failed = [s for s in result.scopes if s.status == "failed"]
+    console.print(
+        f"personal round over base {result.base_version}: {len(result.trained)} adapters serving, "
+        f"{len(failed)} failed, {len(result.scopes)} scopes due, {result.seconds:.1f} s"
+    )
+    if failed:
+        raise typer.Exit(code=1)

@@ -1,0 +1,269 @@
+"""Personal rounds: every scope (a user, a cohort) with at least ``min_ratings`` new ratings since
+its last adapter trains its own LoRA adapter from its own feedback only, over the serving base, and
+the server serves it to that scope from the next request on (docs/adapters.md).
+
+    serving base (GET /admin/weights) -> due scopes (new ratings since each scope's watermark)
+    -> per scope, back to back: collect its feedback -> advantages (the base round's rewards and
+    baselines) -> train the adapter in a child process (continued from the scope's stored adapter,
+    else fresh) -> record a candidate -> promote through the server
+
+When the base changes, an adapter trained over the old one stops serving (``server.adapter_directory``:
+its scope falls back to its cohort, tenant or the base) and the scope's next personal round
+continues its stored weights on the new base, from all of the scope's ratings (not only the new
+ones), as soon as it has ``min_ratings`` of them.
+
+Ratings of held-out prompts never train (as in base rounds). A scope whose training fails keeps its
+serving adapter and its watermark; the other scopes go on. Many scopes in one round run back to
+back, one child each: one child per scope keeps a failure to its scope.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from learner.collect import feedback_samples
+from learner.evaluation.stage import trainable
+from learner.round_config import RoundConfig, RoundError
+from learner.round_rewards import RoundRewards
+from learner.server_api import ServerApi
+from learner.training import TrainingRequest, run_training_child
+from learner.training_request import AdapterSpec
+from storage import (
+    AdapterView,
+    cohorts,
+    collect_feedback,
+    count_feedback_by_user,
+    list_adapters,
+    make_engine,
+    make_session_factory,
+    record_adapter,
+    set_adapter_status,
+)
+
+__all__ = ["PersonalRoundConfig", "PersonalRoundResult", "ScopeResult", "run_personal_round"]
+
+log = logging.getLogger(__name__)
+
+ScopeStatus = Literal["succeeded", "failed", "nothing_to_learn"]
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalRoundConfig:
+    """``base``: the server, database, checkpoints, rewards, losses and threads, as for a base round
+    (its ``learning_rate`` and ``num_steps`` are the base round's: adapters have their own)."""
+
+    base: RoundConfig
+    adapter: AdapterSpec = field(default_factory=AdapterSpec)
+    learning_rate: float = 1e-3
+    num_steps: int = 4
+    min_ratings: int = 8
+    include_cohorts: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    tenant_id: str
+    kind: Literal["user", "cohort"]
+    name: str
+    users: tuple[str, ...]  # whose feedback trains it: the user, or the cohort's members
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeResult:
+    tenant_id: str
+    scope_kind: str
+    scope: str
+    status: ScopeStatus
+    adapter_id: str | None = None
+    samples: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalRoundResult:
+    base_version: str
+    scopes: tuple[ScopeResult, ...]
+    seconds: float
+
+    @property
+    def trained(self) -> list[ScopeResult]:
+        return [s for s in self.scopes if s.status == "succeeded"]
+
+
+def run_personal_round(
+    config: PersonalRoundConfig, *, on_scope: Callable[[ScopeResult], None] | None = None
+) -> PersonalRoundResult:
+    """Train and serve every due scope's adapter; never raises for one scope's failure.
+
+    Raises:
+        RoundError: the server cannot be reached or refuses the admin key.
+    """
+    started = time.perf_counter()
+    server = ServerApi(config.base.server_url, config.base.admin_key, timeout_s=120)
+    serving = server.serving()
+    db = make_engine(config.base.database_url)
+    try:
+        run = _PersonalRound(config, server, make_session_factory(db), serving)
+        results = []
+        for scope, since, parent in run.due_scopes():
+            result = run.train_scope(scope, since, parent)
+            log.info("personal round: %s %s/%s %s", result.status, scope.tenant_id, scope.name, result.error or "")
+            if on_scope is not None:
+                on_scope(result)
+            results.append(result)
+    finally:
+        db.dispose()
+    return PersonalRoundResult(serving["weight_version"], tuple(results), time.perf_counter() - started)
+
+
+@dataclass(slots=True)
+class _PersonalRound:
+    config: PersonalRoundConfig
+    server: ServerApi
+    sessions: sessionmaker[Session]
+    serving: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.serving["model"]
+
+    @property
+    def base_version(self) -> str:
+        return self.serving["weight_version"]
+
+    @property
+    def base_dir(self) -> Path:
+        version = self.serving["version"]
+        configured = self.config.base.model_dir
+        return Path(version["checkpoint_path"]) if version else (configured or Path(self.serving["model_path"]))
+
+    def due_scopes(self) -> list[tuple[Scope, int, AdapterView | None]]:
+        """(scope, its watermark, its latest adapter) for every scope with enough new ratings."""
+        config = self.config
+        with self.sessions() as session:
+            latest: dict[tuple[str, str, str], AdapterView] = {}
+            for adapter in list_adapters(session, model=self.model, limit=1_000_000):  # newest first
+                if adapter.status != "rejected":
+                    latest.setdefault((adapter.tenant_id, adapter.scope_kind, adapter.scope), adapter)
+            scopes = [
+                Scope(tenant, "user", user, (user,))
+                for tenant, user in count_feedback_by_user(session, model=self.model, since=0)
+                if config.base.tenant_id in (None, tenant)
+            ]
+            if config.include_cohorts:
+                scopes += [
+                    Scope(tenant, "cohort", name, tuple(users))
+                    for (tenant, name), users in cohorts(session).items()
+                    if config.base.tenant_id in (None, tenant)
+                ]
+            due = []
+            for scope in scopes:
+                parent = latest.get((scope.tenant_id, scope.kind, scope.name))
+                # Over a new base, the whole history trains again (starting from the stored weights).
+                same_base = parent is not None and parent.base_version_id == self.base_version
+                since = (parent.watermark or 0) if parent is not None and same_base else 0
+                if self._new_ratings(session, scope, since) >= config.min_ratings:
+                    due.append((scope, since, parent))
+        return due
+
+    def _new_ratings(self, session: Session, scope: Scope, since: int) -> int:
+        counts = count_feedback_by_user(session, model=self.model, since=since, tenant_id=scope.tenant_id)
+        return sum(counts.get((scope.tenant_id, user), 0) for user in scope.users)
+
+    def train_scope(self, scope: Scope, since: int, parent: AdapterView | None) -> ScopeResult:
+        started = time.perf_counter()
+
+        def result(status: ScopeStatus, **values: Any) -> ScopeResult:
+            return ScopeResult(
+                scope.tenant_id, scope.kind, scope.name, status, seconds=time.perf_counter() - started, **values
+            )
+
+        base = self.config.base
+        with self.sessions.begin() as session:
+            batch = collect_feedback(
+                session,
+                model=self.model,
+                since=since,
+                tenant_id=scope.tenant_id,
+                end_users=scope.users,
+                max_age=base.max_age,
+            )
+        rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+        samples = trainable(rated, base.evaluation)
+        if not samples:
+            return result("nothing_to_learn")
+        adapter_id = f"ad-{uuid.uuid4().hex[:12]}"
+        metrics: dict[str, Any] = {"held_out": len(rated) - len(samples)}
+        rewards = RoundRewards(base, self.sessions, self.model, adapter_id, batch.watermark, self.base_dir, metrics)
+        try:
+            advantages = rewards.feedback_advantages(samples)
+            checkpoint, sha256 = self._train(scope, adapter_id, samples, advantages, parent, metrics)
+            with self.sessions.begin() as session:
+                record_adapter(
+                    session,
+                    adapter_id=adapter_id,
+                    model=self.model,
+                    tenant_id=scope.tenant_id,
+                    scope_kind=scope.kind,
+                    scope=scope.name,
+                    checkpoint_path=str(checkpoint),
+                    base_version_id=self.base_version,
+                    parent_id=parent.id if parent else None,
+                    sha256=sha256,
+                    watermark=batch.watermark,
+                    ratings=len(samples),
+                    metrics=metrics,
+                )
+            self._promote(adapter_id)
+        except (RoundError, RuntimeError, OSError, ValueError) as exc:
+            return result("failed", adapter_id=None, samples=len(samples), error=f"{type(exc).__name__}: {exc}")
+        return result("succeeded", adapter_id=adapter_id, samples=len(samples))
+
+    def _train(
+        self,
+        scope: Scope,
+        adapter_id: str,
+        samples: list[Any],
+        advantages: list[float],
+        parent: AdapterView | None,
+        metrics: dict[str, Any],
+    ) -> tuple[Path, str]:
+        base, config = self.config.base, self.config
+        stored = Path(parent.checkpoint_path) if parent is not None else None
+        continue_from = stored if stored is not None and stored.is_dir() else None
+        request = TrainingRequest(
+            base_model_dir=self.base_dir,
+            out_dir=base.checkpoint_dir / "adapters" / scope.tenant_id / adapter_id,
+            samples=tuple(samples),
+            config=base.train_config,
+            num_steps=config.num_steps,
+            learning_rate=config.learning_rate,
+            num_threads=base.num_threads,
+            timeout_s=base.train_timeout_s,
+            advantages=tuple(advantages),
+            reference_model_dir=self.base_dir,
+            adapter=replace(config.adapter, init_dir=continue_from),
+        )
+        outcome = run_training_child(request)
+        if outcome.status != "succeeded" or outcome.checkpoint is None:
+            raise RuntimeError(f"training {outcome.failure}: {outcome.error}")
+        metrics.update(outcome.metrics[-1] if outcome.metrics else {})
+        metrics["continued_from"] = parent.id if parent is not None and continue_from else None
+        return outcome.checkpoint.path, outcome.checkpoint.sha256
+
+    def _promote(self, adapter_id: str) -> None:
+        try:
+            self.server.promote_adapter(adapter_id, reason="personal round")
+        except RoundError as exc:
+            with self.sessions.begin() as session:
+                set_adapter_status(session, adapter_id=adapter_id, status="rejected", reason=str(exc))
+            raise
