@@ -35,8 +35,10 @@ from learner.sample import Sample
 __all__ = [
     "BrevityPreference",
     "LetterPreference",
+    "OppositePreference",
     "Population",
     "Preference",
+    "RandomPreference",
     "SimulatedUser",
     "brevity_reward",
     "evaluate",
@@ -76,6 +78,26 @@ class LetterPreference:
 
 
 @dataclass(frozen=True, slots=True)
+class OppositePreference:
+    """Likes what ``inner`` dislikes: a group whose taste pulls the other way."""
+
+    inner: Preference
+
+    def score(self, text: str) -> float:
+        return -self.inner.score(text)
+
+
+@dataclass(frozen=True, slots=True)
+class RandomPreference:
+    """No taste at all: a score drawn at random whatever the text (users who rate at random)."""
+
+    seed: int = 0
+
+    def score(self, text: str) -> float:
+        return random.Random(f"{self.seed}:{text}").uniform(-1.0, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
 class BrevityPreference:
     target_words: float = 8.0  # mean sentence length that scores 1; twice as long scores -1
 
@@ -102,10 +124,12 @@ class Population:
     users: tuple[SimulatedUser, ...]
 
     @classmethod
-    def make(cls, preference: Preference, size: int, seed: int, spread: float = 0.3) -> Population:
+    def make(
+        cls, preference: Preference, size: int, seed: int, spread: float = 0.3, prefix: str = "sim"
+    ) -> Population:
         rng = random.Random(seed)
         users = tuple(
-            SimulatedUser(f"sim-{seed}-{i}", threshold=rng.uniform(-spread, spread), gives_scores=i % 4 == 3)
+            SimulatedUser(f"{prefix}-{seed}-{i}", threshold=rng.uniform(-spread, spread), gives_scores=i % 4 == 3)
             for i in range(size)
         )
         return cls(preference, users)
@@ -156,6 +180,7 @@ def evaluate(
     samples_per_prompt: int,
     max_tokens: int,
     workers: int = 4,
+    user: str = "evaluator",
 ) -> float:
     """Mean hidden score of fresh answers (seeded sampling: the same seeds give paired answers)."""
     jobs = [(p, s) for p in prompts for s in range(samples_per_prompt)]
@@ -167,7 +192,7 @@ def evaluate(
             messages=[{"role": "user", "content": prompt}],
             max_tokens=max_tokens,
             seed=seed,
-            user="evaluator",
+            user=user,  # a user of a group is served that group's adapter
         )
         return preference.score(reply.choices[0].message.content or "")
 

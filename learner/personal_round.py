@@ -65,7 +65,7 @@ class PersonalRoundConfig:
     learning_rate: float = 1e-3
     num_steps: int = 4
     min_ratings: int = 8
-    include_cohorts: bool = True
+    scope_kinds: tuple[Literal["user", "cohort"], ...] = ("user", "cohort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,12 +154,14 @@ class _PersonalRound:
             for adapter in list_adapters(session, model=self.model, limit=1_000_000):  # newest first
                 if adapter.status != "rejected":
                     latest.setdefault((adapter.tenant_id, adapter.scope_kind, adapter.scope), adapter)
-            scopes = [
-                Scope(tenant, "user", user, (user,))
-                for tenant, user in count_feedback_by_user(session, model=self.model, since=0)
-                if config.base.tenant_id in (None, tenant)
-            ]
-            if config.include_cohorts:
+            scopes = []
+            if "user" in config.scope_kinds:
+                scopes += [
+                    Scope(tenant, "user", user, (user,))
+                    for tenant, user in count_feedback_by_user(session, model=self.model, since=0)
+                    if config.base.tenant_id in (None, tenant)
+                ]
+            if "cohort" in config.scope_kinds:
                 scopes += [
                     Scope(tenant, "cohort", name, tuple(users))
                     for (tenant, name), users in cohorts(session).items()
