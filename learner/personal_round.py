@@ -67,6 +67,16 @@ class PersonalRoundConfig:
     min_ratings: int = 8
     scope_kinds: tuple[Literal["user", "cohort"], ...] = ("user", "cohort")
 
+    def __post_init__(self) -> None:
+        # A scope's adapter learns from its own rated answers; rollout rewards (reward model, judge,
+        # plugins) would score fresh answers of the base's sampling, not the scope's.
+        if self.base.reward != "feedback":
+            raise ValueError(
+                f"personal rounds train on the scope's rated answers (reward feedback), not {self.base.reward}"
+            )
+        if self.min_ratings < 1 or self.num_steps < 1 or not self.learning_rate > 0:
+            raise ValueError("min_ratings and num_steps must be >= 1 and learning_rate > 0")
+
 
 @dataclass(frozen=True, slots=True)
 class Scope:
