@@ -3,16 +3,17 @@ API only, rounds learn from their ratings, and fresh answers please them more.
 
 The preference (``LetterPreference``: answers rich in the letters k and v) is one the tiny model with
 random weights can learn from ratings; the users differ in leniency and some give scores instead of
-up/down. Measured with these settings (6 rounds of 64 ratings, learning rate 5e-2): without load, the
-mean hidden score of fresh answers went from -0.03..+0.06 to 0.96..1.00 over seeds 0-3; with the two
-streaming clients, seed 0 reached +1.00 after rounds 5 and 6 in quiet runs, and once, in a loaded
-full-suite run, dipped to +0.35 after round 6 (the high learning rate overshoots now and then). So
-the test averages the scores after rounds 5 and 6 and asks for a rise of 0.3 over the start: it
-fails when learning breaks (a sign error, ratings not reaching the round, the new version not
-served: a rise of 0 +- 0.15), not when one round overshoots. (A loaded full-suite run on
-2026-12-04 rose by 0.375, +0.04 to +0.42, where the bar was 0.4.) With the evaluation gate's holdout
-(58 of each round's 64 ratings train, give or take), seed 0 rose from +0.04 to +0.56..+0.64 after
-round 5 and +0.81..+0.88 after round 6 (two runs).
+up/down. The curve first dips (rounds 2-4 went to -0.1..-0.47 in the runs measured) and then
+saturates at +1.00; after round 5 or 6 it is still mid-climb (+0.11..+0.72 after round 5 in one
+loaded pair of runs), which is why an earlier version of this test, measuring there, failed now and
+then. So it runs 8 rounds and averages the scores after rounds 7 and 8.
+
+Measured on 2026-12-05, two copies of this test at once on the 2-core machine (so each ran loaded),
+10 runs: the score before was +0.042 in every run; the average after rounds 7 and 8 was 0.73 to
+1.00 (rise 0.69 to 0.96, mean 0.89; the lowest single scores +0.47 and +0.63). Broken learning (a
+sign error, ratings not reaching the round, the new version not served) leaves the score at its
+start, 0 +- 0.15. ``RISE`` = 0.45 sits between the two: 0.24 below the lowest rise measured, 0.3
+above what broken learning reaches.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gate
 from tests.support.streaming_load import StreamingLoad
 
 SEED = 0
-ROUNDS = 6
+ROUNDS = 8
 RATINGS_PER_ROUND = 64
 LEARNING_RATE = 5e-2  # the random tiny model's weights are ~0.02; Adam moves each by about this per step
 MAX_TOKENS = 16
-# The gate runs as deployed (10 % of prompts held out and evaluated every round) with a margin that
-# lets every round through: at this learning rate consecutive versions' held-out loglik margin swings
-# by up to +-0.45 nats/token while it rises by about 2 over the six rounds (three of six measured
-# deltas were below the default -0.05). The gate's decisions are tested in test_eval_gate.py.
-EVAL_MARGIN = 1.0
+# The gate runs as deployed (10 % of prompts held out and scored every round) with a margin that
+# lets every round through: at this learning rate the held-out loglik margin of consecutive versions
+# swings by up to 0.45 nats/token in the first rounds and by several past saturation (measured: a
+# serving 2.13 vs a candidate 0.81), so a real margin would freeze the model wherever it stood (one
+# run held rounds 6-8 back at a fresh score of +0.29). The gate's decisions are tested in test_eval_gate.py.
+EVAL_MARGIN = 100.0
+RISE = 0.45  # from the measured spread in the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +67,16 @@ def test_fresh_answers_improve_under_the_hidden_preference(gateway: Gateway, tmp
     # Two streaming clients keep the server busy through every hot swap: none may fail.
     with StreamingLoad(gateway.client(gateway.keys["sim"]), gateway.model, clients=2) as load:
         versions = learn_rounds(gateway, population, tmp_path, ROUNDS - 1)
-        fifth = fresh_score()
+        seventh = fresh_score()
         versions += learn_rounds(gateway, population, tmp_path, 1, first=ROUNDS - 1)
-    sixth = fresh_score()
-    after = (fifth + sixth) / 2  # a high learning rate overshoots now and then: one dip is not the trend
-    print(f"fresh score before {before:+.3f}, after round 5 {fifth:+.3f}, after round 6 {sixth:+.3f}")
+    eighth = fresh_score()
+    after = (seventh + eighth) / 2
+    print(f"fresh score before {before:+.3f}, after round 7 {seventh:+.3f}, after round 8 {eighth:+.3f}")
 
     assert load.failures == [] and load.completed > 0
-    assert len(set(versions)) == ROUNDS
+    assert len(set(versions)) >= ROUNDS // 2
     assert len(load.fingerprints & set(versions)) >= 2  # the load was served by several of the new versions
-    assert after >= before + 0.3, f"fresh answers scored {before:+.3f} before learning, {after:+.3f} after"
+    assert after >= before + RISE, f"fresh answers scored {before:+.3f} before learning, {after:+.3f} after"
 
 
 def learn_rounds(gateway: Gateway, population: Population, tmp_path: Path, count: int, first: int = 0) -> list[str]:
@@ -95,10 +98,13 @@ def learn_rounds(gateway: Gateway, population: Population, tmp_path: Path, count
             )
         )
         print(f"round {round_index + 1}: {result.status}, {result.metrics.get('eval/reason')}")
-        assert result.status == "succeeded", result.error
+        # Held back: the gate kept an overshooting candidate out (past saturation the loglik margins
+        # grow to several nats, and so do their swings); the served version is then the last one.
+        assert result.status in ("succeeded", "held_back"), result.error
         # every rating reached the round, none twice: trained, or held out for evaluation
         assert result.samples + result.metrics["eval/held_out"] == RATINGS_PER_ROUND
         assert "evaluate" in result.seconds
         assert result.version_id is not None
-        versions.append(result.version_id)
+        if result.status == "succeeded":
+            versions.append(result.version_id)
     return versions
