@@ -190,3 +190,28 @@ class ModelVersionPage(ObjectPage[ModelVersion]):  # type: ignore[valid-type]
 
 class SchedulePage(ObjectPage[Schedule]):  # type: ignore[valid-type]
     """Schedules, newest first."""
+
+
+Adapter = view_model("Adapter", AdapterView, "A LoRA adapter version of one scope.", object=(Literal["adapter"], ...))
+
+
+class AdapterList(ObjectList[Adapter]):  # type: ignore[valid-type]
+    """Adapters, newest first."""
+
+
+class AdapterPromoted(BaseModel):
+    adapter: Adapter  # type: ignore[valid-type]
+    previous_adapter_id: str | None = Field(description="The scope's adapter it replaced, if any")
+
+
+class AdapterReset(BaseModel):
+    retired_adapter_id: str | None = Field(description="The scope's adapter that stopped serving, if any")
+
+
+class Cohort(BaseModel):
+    name: str
+    users: list[str]
+
+
+class CohortList(ObjectList[Cohort]):
+    """A tenant's cohorts by name."""

@@ -124,9 +124,7 @@ class Population:
     users: tuple[SimulatedUser, ...]
 
     @classmethod
-    def make(
-        cls, preference: Preference, size: int, seed: int, spread: float = 0.3, prefix: str = "sim"
-    ) -> Population:
+    def make(cls, preference: Preference, size: int, seed: int, spread: float = 0.3, prefix: str = "sim") -> Population:
         rng = random.Random(seed)
         users = tuple(
             SimulatedUser(f"{prefix}-{seed}-{i}", threshold=rng.uniform(-spread, spread), gives_scores=i % 4 == 3)

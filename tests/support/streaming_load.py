@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from openai import OpenAI
+from openai import OpenAI, omit
 
 __all__ = ["StreamingLoad"]
 
@@ -13,10 +13,12 @@ __all__ = ["StreamingLoad"]
 class StreamingLoad:
     """Streaming clients looping until stopped; counts completed and failed requests."""
 
-    def __init__(self, client: OpenAI, model: str, clients: int = 3) -> None:
+    def __init__(self, client: OpenAI, model: str, clients: int = 3, user: str | None = None) -> None:
         self.client, self.model = client, model
+        self.user = user  # the chat requests' ``user`` field: whose adapter serves them
         self.completed, self.failures = 0, []
         self.fingerprints: set[str] = set()
+        self.adapters: set[str | None] = set()  # X-Tandem-Adapter of each completed request (None: the base)
         self.completed_after_mark = 0
         self._mark = float("inf")
         self._stop = threading.Event()
@@ -27,13 +29,14 @@ class StreamingLoad:
         while not self._stop.is_set():
             begun = time.monotonic()
             try:
-                stream = self.client.chat.completions.create(
+                raw = self.client.chat.completions.with_raw_response.create(
                     model=self.model,
                     messages=[{"role": "user", "content": f"count to ten, client {worker}"}],
                     max_tokens=16,
                     stream=True,
+                    user=self.user or omit,
                 )
-                chunks = list(stream)
+                chunks = list(raw.parse())
                 finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 if finish not in (["stop"], ["length"]):
                     raise AssertionError(f"stream ended without a finish reason: {finish}")
@@ -41,6 +44,7 @@ class StreamingLoad:
                     self.completed += 1
                     self.completed_after_mark += begun > self._mark
                     self.fingerprints.update(c.system_fingerprint for c in chunks if c.system_fingerprint)
+                    self.adapters.add(raw.headers.get("x-tandem-adapter"))
             except Exception as exc:  # every failure is counted, none may happen
                 with self._lock:
                     self.failures.append(repr(exc))

@@ -64,12 +64,21 @@ class Adapter:
         return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
 
 
-def read_adapter(key: str, folder: Path, model: nn.Module) -> Adapter:
-    """Load a PEFT LoRA folder for ``model`` (factors cast to the model's dtype and device)."""
+def check_adapter_folder(folder: Path) -> dict[str, Any]:
+    """The folder's adapter config, if it is a plain LoRA in PEFT's format (what ``read_adapter`` serves).
+
+    Raises:
+        AdapterError: with the reason it is not.
+    """
     config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterError(f"{folder} is not a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
-    config: dict[str, Any] = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{folder}: adapter_config.json is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{folder}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{folder}: only LoRA adapters are served, not {config.get('peft_type')}")
     for field, what in _UNSUPPORTED.items():
@@ -77,6 +86,15 @@ def read_adapter(key: str, folder: Path, model: nn.Module) -> Adapter:
             raise AdapterError(f"{folder}: {what} is not supported by the local engine")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: trained biases (bias={config['bias']!r}) are not supported")
+    if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
+        raise AdapterError(f"{folder}: adapter_config.json needs an integer r and a number lora_alpha")
+    return config
+
+
+def read_adapter(key: str, folder: Path, model: nn.Module) -> Adapter:
+    """Load a PEFT LoRA folder for ``model`` (factors cast to the model's dtype and device)."""
+    config = check_adapter_folder(folder)
+    weights_path = folder / "adapter_model.safetensors"
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
