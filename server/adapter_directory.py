@@ -41,7 +41,8 @@ class ServedAdapter:
 
 
 def _served(adapter: AdapterView) -> ServedAdapter:
-    ref = AdapterRef(adapter.id, adapter.checkpoint_path)
+    scope = f"{adapter.tenant_id}/{adapter.scope_kind}/{adapter.scope}"
+    ref = AdapterRef(adapter.id, adapter.checkpoint_path, scope)
     return ServedAdapter(adapter.id, adapter.scope_kind, adapter.scope, adapter.base_version_id, ref)
 
 
@@ -65,6 +66,8 @@ class AdapterDirectory:
         self._serving: dict[Scope, ServedAdapter] = {}
         self._cohort_of: dict[tuple[str, str], str] = {}  # (tenant, user) -> cohort
         self._task: asyncio.Task[None] | None = None
+        # One reread at a time: a reread begun before a change must not land after one begun after it.
+        self._rereading = asyncio.Lock()
 
     def resolve(self, tenant_id: str, user: str | None) -> ServedAdapter | None:
         """The adapter for one request of ``user`` (the request's ``user`` field) in ``tenant_id``."""
@@ -91,8 +94,9 @@ class AdapterDirectory:
 
     async def refresh(self) -> None:
         """Reread the serving adapters and cohorts (raises when the database cannot answer)."""
-        serving, cohort_of = await asyncio.to_thread(self._read)
-        self._serving, self._cohort_of = serving, cohort_of
+        async with self._rereading:
+            serving, cohort_of = await asyncio.to_thread(self._read)
+            self._serving, self._cohort_of = serving, cohort_of
 
     def _read(self) -> tuple[dict[Scope, ServedAdapter], dict[tuple[str, str], str]]:
         with self._sessions() as session:

@@ -103,6 +103,8 @@ async def delete_data(
         return body, {"tenant_id": tenant, "counts": deletion.counts}
 
     body = await audited(sessions, work, actor=actor, action="user_data.delete", target=user)
+    # A reread that began before the deletion committed may have put the adapter back meanwhile.
+    await request.app.state.adapters.refresh()
     await asyncio.to_thread(_remove_folders, folders)
     return json_response(body)
 

@@ -69,10 +69,12 @@ class SamplingParams:
 @dataclass(slots=True, frozen=True)
 class AdapterRef:
     """A LoRA adapter to serve a request with: ``key`` (its version id) names it in caches, ``path``
-    is its PEFT folder."""
+    is its PEFT folder, ``scope`` whom it serves (a pool places a scope's requests together, so a
+    new version of its adapter lands where the old one was); empty: the key places them."""
 
     key: str
     path: str
+    scope: str = ""
 
 
 @dataclass(slots=True, frozen=True)

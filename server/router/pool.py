@@ -122,8 +122,8 @@ class EnginePool:
             "priority": priority,
             "adapter": adapter,
         }
-        # An adapter's requests keep to the replicas where it is resident: its key places them.
-        affinity = adapter.key if adapter is not None else session_key
+        # A scope's requests keep to the replicas where its adapter is resident.
+        affinity = (adapter.scope or adapter.key) if adapter is not None else session_key
         while True:
             replica = self.placement.choose(self.replicas.values(), affinity, exclude=tried, failures=failures)
             tried.add(replica.name)

@@ -16,13 +16,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from server.engines.base import EngineError, EngineOverloaded, EngineUnavailable, SamplingParams, TokenChunk
+from server.engines.base import (
+    AdapterRef,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    SamplingParams,
+    TokenChunk,
+)
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_server import create_engine_app
 from server.router.affinity import HashRing
 from server.router.pool import EnginePool, PoolConfig
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.server.engines.helpers import greedy, greedy_reference
+from tests.server.engines.test_local_lora import make_adapter
 from tests.support.polling import async_wait_until
 from tests.support.uvicorn_thread import serve_in_thread
 
@@ -377,3 +385,19 @@ async def test_two_gateways_send_a_session_to_the_same_replica(replicas: Replica
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_scopes_adapter_versions_keep_to_the_scopes_replica(
+    pool: EnginePool, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Placement by the adapter's scope, not its version: a new version lands where the old one was
+    resident, and only that replica loads it."""
+    first = make_adapter(tiny_model, tmp_path / "v1", seed=1, targets=["q_proj", "v_proj"])
+    second = make_adapter(tiny_model, tmp_path / "v2", seed=2, targets=["q_proj", "v_proj"])
+    home = home_of(pool, "acme/user/ann")
+    for folder in (first, second, first):
+        adapter = AdapterRef(folder.name, str(folder), scope="acme/user/ann")
+        chunks = await run(pool, greedy(3), session_key="some-session", adapter=adapter)
+        assert served_by(chunks) == {home} and {c.adapter for c in chunks} == {folder.name}
+    loaded = {name: replica.client.adapters.loaded for name, replica in pool.replicas.items()}
+    assert loaded == {name: (["v2", "v1"] if name == home else []) for name in pool.replicas}  # v1 used last
