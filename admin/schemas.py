@@ -141,6 +141,25 @@ RatedVersion = view_model(
 )
 
 
+Adapter = view_model(
+    "Adapter", AdapterView, "A LoRA adapter version of one scope of a tenant.", object=(Literal["adapter"], ...)
+)
+
+
+class AdapterSwap(BaseModel):
+    adapter: Adapter  # type: ignore[valid-type]
+    previous_adapter_id: str | None = Field(description="The adapter its scope served before; null: none")
+
+
+class AdapterReset(BaseModel):
+    retired_adapter_id: str | None = Field(description="The adapter the scope served until now; null: none")
+
+
+class Cohort(BaseModel):
+    name: str
+    users: list[str] = Field(description="Its members, sorted")
+
+
 class UserDataExport(BaseModel):
     object: Literal["user_data"]
     tenant_id: str
@@ -176,6 +195,14 @@ class RatedVersionList(ObjectList[RatedVersion]):  # type: ignore[valid-type]
     """Versions in the order they first answered, oldest first."""
 
 
+class AdapterList(ObjectList[Adapter]):  # type: ignore[valid-type]
+    """Adapters, newest first."""
+
+
+class CohortList(ObjectList[Cohort]):
+    """A tenant's cohorts by name."""
+
+
 class AuditPage(ObjectPage[AdminActionView]):
     """Admin actions, newest first."""
 
@@ -190,28 +217,3 @@ class ModelVersionPage(ObjectPage[ModelVersion]):  # type: ignore[valid-type]
 
 class SchedulePage(ObjectPage[Schedule]):  # type: ignore[valid-type]
     """Schedules, newest first."""
-
-
-Adapter = view_model("Adapter", AdapterView, "A LoRA adapter version of one scope.", object=(Literal["adapter"], ...))
-
-
-class AdapterList(ObjectList[Adapter]):  # type: ignore[valid-type]
-    """Adapters, newest first."""
-
-
-class AdapterPromoted(BaseModel):
-    adapter: Adapter  # type: ignore[valid-type]
-    previous_adapter_id: str | None = Field(description="The scope's adapter it replaced, if any")
-
-
-class AdapterReset(BaseModel):
-    retired_adapter_id: str | None = Field(description="The scope's adapter that stopped serving, if any")
-
-
-class Cohort(BaseModel):
-    name: str
-    users: list[str]
-
-
-class CohortList(ObjectList[Cohort]):
-    """A tenant's cohorts by name."""

@@ -69,6 +69,11 @@ class AdapterDirectory:
         # One reread at a time: a reread begun before a change must not land after one begun after it.
         self._rereading = asyncio.Lock()
 
+    @property
+    def model(self) -> str:
+        """The served model: the only one whose adapters this directory serves."""
+        return self._model
+
     def resolve(self, tenant_id: str, user: str | None) -> ServedAdapter | None:
         """The adapter for one request of ``user`` (the request's ``user`` field) in ``tenant_id``."""
         if not self._enabled or tenant_id in self._disabled or not self._serving:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from admin.audited import audited, read
 from admin.deps import ActorDep, SessionsDep, in_thread
+from admin.routes.adapters import serve_changes
 from admin.routes.tenants import get_tenant
 from admin.schemas import UserDataDeletion, UserDataExport
 from server.errors import ApiError
@@ -103,8 +104,8 @@ async def delete_data(
         return body, {"tenant_id": tenant, "counts": deletion.counts}
 
     body = await audited(sessions, work, actor=actor, action="user_data.delete", target=user)
-    # A reread that began before the deletion committed may have put the adapter back meanwhile.
-    await request.app.state.adapters.refresh()
+    # A reread begun before the deletion committed may have put the adapter back meanwhile: reread.
+    await serve_changes(request)
     await asyncio.to_thread(_remove_folders, folders)
     return json_response(body)
 

@@ -5,20 +5,25 @@ from __future__ import annotations
 import threading
 import time
 
-from openai import OpenAI, omit
+from openai import NOT_GIVEN, OpenAI
 
 __all__ = ["StreamingLoad"]
 
 
 class StreamingLoad:
-    """Streaming clients looping until stopped; counts completed and failed requests."""
+    """Streaming clients looping until stopped; counts completed and failed requests.
+
+    With ``user``, every request names that end user (so their adapter serves it); ``adapters`` and
+    ``adapters_after_mark`` collect the X-Tandem-Adapter header of each completed request (None: the
+    base alone), all of them and those begun after the swap."""
 
     def __init__(self, client: OpenAI, model: str, clients: int = 3, user: str | None = None) -> None:
         self.client, self.model = client, model
-        self.user = user  # the chat requests' ``user`` field: whose adapter serves them
+        self.user = user
         self.completed, self.failures = 0, []
         self.fingerprints: set[str] = set()
-        self.adapters: set[str | None] = set()  # X-Tandem-Adapter of each completed request (None: the base)
+        self.adapters: set[str | None] = set()
+        self.adapters_after_mark: set[str | None] = set()
         self.completed_after_mark = 0
         self._mark = float("inf")
         self._stop = threading.Event()
@@ -34,8 +39,9 @@ class StreamingLoad:
                     messages=[{"role": "user", "content": f"count to ten, client {worker}"}],
                     max_tokens=16,
                     stream=True,
-                    user=self.user or omit,
+                    user=self.user if self.user is not None else NOT_GIVEN,
                 )
+                adapter = raw.headers.get("x-tandem-adapter")
                 chunks = list(raw.parse())
                 finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 if finish not in (["stop"], ["length"]):
@@ -43,8 +49,10 @@ class StreamingLoad:
                 with self._lock:
                     self.completed += 1
                     self.completed_after_mark += begun > self._mark
+                    self.adapters.add(adapter)
+                    if begun > self._mark:
+                        self.adapters_after_mark.add(adapter)
                     self.fingerprints.update(c.system_fingerprint for c in chunks if c.system_fingerprint)
-                    self.adapters.add(raw.headers.get("x-tandem-adapter"))
             except Exception as exc:  # every failure is counted, none may happen
                 with self._lock:
                     self.failures.append(repr(exc))

@@ -64,21 +64,46 @@ class Adapter:
         return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
 
 
-def check_adapter_folder(folder: Path) -> dict[str, Any]:
-    """The folder's adapter config, if it is a plain LoRA in PEFT's format (what ``read_adapter`` serves).
+_CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_FACTORS = (".lora_A.weight", ".lora_B.weight")
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def check_adapter_folder(folder: Path) -> None:
+    """Refuse, with the reason, a folder that is not a plain PEFT LoRA, without a model: the admin API
+    checks a folder with it before recording it, and ``read_adapter`` runs the same checks first.
+
+    Checks the config (LoRA, a positive ``r`` and ``lora_alpha``, nothing the engine cannot serve) and
+    the weights file's header (every tensor a ``lora_A`` or ``lora_B`` factor); not the shapes, which
+    only the model can tell.
 
     Raises:
-        AdapterError: with the reason it is not.
+        AdapterError: what is wrong with it.
     """
-    config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    _checked_config(folder)
+
+
+def _checked_config(folder: Path) -> dict[str, Any]:
+    config = _config(folder)
+    names = _tensor_names(folder / _WEIGHTS, folder)
+    if not names:
+        raise AdapterError(f"{folder}: the adapter has no LoRA tensors")
+    for name in names:
+        if not name.endswith(_FACTORS):
+            raise AdapterError(f"{folder}: unexpected tensor {name}")
+    return config
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    config_path, weights_path = folder / _CONFIG, folder / _WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
-        raise AdapterError(f"{folder} is not a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
+        raise AdapterError(f"{folder} is not a PEFT adapter folder ({_CONFIG}, {_WEIGHTS})")
     try:
         config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{folder}: adapter_config.json is not readable JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AdapterError(f"{folder}: {_CONFIG} is not readable JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise AdapterError(f"{folder}: adapter_config.json is not a JSON object")
+        raise AdapterError(f"{folder}: {_CONFIG} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{folder}: only LoRA adapters are served, not {config.get('peft_type')}")
     for field, what in _UNSUPPORTED.items():
@@ -86,21 +111,38 @@ def check_adapter_folder(folder: Path) -> dict[str, Any]:
             raise AdapterError(f"{folder}: {what} is not supported by the local engine")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: trained biases (bias={config['bias']!r}) are not supported")
-    if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
-        raise AdapterError(f"{folder}: adapter_config.json needs an integer r and a number lora_alpha")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"{folder}: {_CONFIG} needs a positive integer r, not {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{folder}: {_CONFIG} needs a positive lora_alpha, not {alpha!r}")
     return config
+
+
+def _tensor_names(path: Path, folder: Path) -> list[str]:
+    """The tensor names of a safetensors file, from its header (8 bytes of length, then JSON)."""
+    try:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= min(_MAX_HEADER_BYTES, path.stat().st_size - 8):
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(handle.read(size))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AdapterError(f"{folder}: {_WEIGHTS} is not a safetensors file ({exc})") from exc
+    if not isinstance(header, dict):
+        raise AdapterError(f"{folder}: {_WEIGHTS} is not a safetensors file (its header is not an object)")
+    return [name for name in header if name != "__metadata__"]
 
 
 def read_adapter(key: str, folder: Path, model: nn.Module) -> Adapter:
     """Load a PEFT LoRA folder for ``model`` (factors cast to the model's dtype and device)."""
-    config = check_adapter_folder(folder)
-    weights_path = folder / "adapter_model.safetensors"
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    config = _checked_config(folder)  # what check_adapter_folder checks, so the two never disagree
+    rank, alpha = config["r"], float(config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(weights_path).items():
+    for name, tensor in load_file(folder / _WEIGHTS).items():
         module, _, kind = name.removeprefix(_PREFIX).rpartition(".lora_")
         if kind not in ("A.weight", "B.weight"):
             raise AdapterError(f"{folder}: unexpected tensor {name}")
@@ -123,27 +165,48 @@ class AdapterCache:
     """Loaded adapters, least recently used evicted past ``capacity_bytes`` (thread-safe).
 
     A request holds its ``Adapter`` object, so evicting one that still decodes only stops caching it.
+    A folder is read once however many requests want it at the same time: the others wait for it.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[str, Adapter] = OrderedDict()
         self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # key -> held while its folder is read
         self.loads = 0  # misses that read a folder: the admin API's and the benchmark's counter
 
     def get(self, key: str, folder: Path, model: nn.Module) -> Adapter:
         with self._lock:
-            adapter = self._entries.get(key)
+            adapter = self._cached(key)
             if adapter is not None:
-                self._entries.move_to_end(key)
                 return adapter
-        adapter = read_adapter(key, folder, model)  # outside the lock: other lookups go on meanwhile
-        with self._lock:
-            self.loads += 1
-            self._entries[key] = adapter
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            try:
+                with self._lock:
+                    adapter = self._cached(key)  # read meanwhile by the request this one waited for
+                if adapter is not None:
+                    return adapter
+                adapter = read_adapter(key, folder, model)  # outside the lock: other lookups go on meanwhile
+                with self._lock:
+                    self.loads += 1
+                    self._entries[key] = adapter
+                    self._entries.move_to_end(key)
+                    while (
+                        len(self._entries) > 1 and sum(a.nbytes for a in self._entries.values()) > self.capacity_bytes
+                    ):
+                        self._entries.popitem(last=False)
+                return adapter
+            finally:
+                with self._lock:
+                    if self._loading.get(key) is loading:  # after a failed read, another may be loading
+                        del self._loading[key]
+
+    def _cached(self, key: str) -> Adapter | None:
+        """The loaded adapter, now the most recently used (under ``_lock``)."""
+        adapter = self._entries.get(key)
+        if adapter is not None:
             self._entries.move_to_end(key)
-            while len(self._entries) > 1 and sum(a.nbytes for a in self._entries.values()) > self.capacity_bytes:
-                self._entries.popitem(last=False)
         return adapter
 
     def drop(self, key: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.engines.base import AdapterRef, SamplingParams
 from server.engines.local.engine import LocalEngine
-from server.engines.local.lora import AdapterCache, AdapterError, read_adapter
+from server.engines.local.lora import AdapterCache, AdapterError, check_adapter_folder, read_adapter
 from server.engines.sglang_client import SGLangClient
 from server.engines.sglang_server import create_engine_app
 from tests.server.engines.helpers import collect, greedy, greedy_reference
@@ -125,6 +126,43 @@ async def test_a_folder_that_is_not_a_plain_lora_is_refused(
     with pytest.raises(AdapterError, match="trained biases"):
         await collect(engine, prompts[0], greedy(2), adapter=ref(other_model))
     assert (await collect(engine, prompts[0], greedy(2))).finish is not None  # the engine serves on
+
+
+def test_the_model_free_check_refuses_what_loading_refuses(
+    tiny_model: Path, adapters: list[Path], tmp_path: Path
+) -> None:
+    """The admin API checks a folder with check_adapter_folder before recording it: it must refuse
+    every folder read_adapter refuses for reasons that need no model, with the same reason."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = json.loads((adapters[0] / "adapter_config.json").read_text())
+
+    def variant(name: str, config_text: str | None = None, weights: bytes | None = None) -> Path:
+        folder = shutil.copytree(adapters[0], tmp_path / name)
+        if config_text is not None:
+            (folder / "adapter_config.json").write_text(config_text)
+        if weights is not None:
+            (folder / "adapter_model.safetensors").write_bytes(weights)
+        return folder
+
+    cases = {
+        "missing": tmp_path / "missing",
+        "dora": make_adapter(tiny_model, tmp_path / "dora", seed=9, targets=["q_proj"], use_dora=True),
+        "prompt": variant("prompt", json.dumps({**config, "peft_type": "PROMPT_TUNING"})),
+        "no-alpha": variant("no-alpha", json.dumps({k: v for k, v in config.items() if k != "lora_alpha"})),
+        "rank-text": variant("rank-text", json.dumps({**config, "r": "4"})),
+        "list": variant("list", "[]"),
+        "truncated": variant("truncated", weights=(adapters[0] / "adapter_model.safetensors").read_bytes()[:20]),
+        "empty": variant("empty", weights=b""),
+    }
+    for name, folder in cases.items():
+        with pytest.raises(AdapterError) as checked:
+            check_adapter_folder(folder)
+        with pytest.raises(AdapterError) as loaded:
+            read_adapter(name, folder, model)
+        assert str(checked.value) == str(loaded.value), name
+    for folder in adapters:
+        check_adapter_folder(folder)
+        assert read_adapter(folder.name, folder, model).modules
 
 
 def test_the_cache_keeps_the_most_recent_adapters_within_its_bytes(tiny_model: Path, adapters: list[Path]) -> None:
