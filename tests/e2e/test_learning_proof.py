@@ -54,6 +54,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 8 rounds took up to 281 s on a loaded machine, near the 300 s default
 def test_fresh_answers_improve_under_the_hidden_preference(gateway: Gateway, tmp_path: Path) -> None:
     client = gateway.client(gateway.keys["sim"])
     preference = LetterPreference()
