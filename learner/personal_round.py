@@ -5,7 +5,9 @@ the server serves it to that scope from the next request on (docs/adapters.md).
     serving base (GET /admin/weights) -> due scopes (new ratings since each scope's watermark)
     -> per scope, back to back: collect its feedback -> advantages (the base round's rewards and
     baselines) -> train the adapter in a child process (continued from the scope's stored adapter,
-    else fresh) -> record a candidate -> promote through the server
+    else fresh) -> evaluate it against what serves the scope now, on the scope's held-out ratings
+    (``learner.evaluation``, the base round's gate and margin) -> record it -> promote it through
+    the server, or keep it a candidate with the gate's reason (``held_back``)
 
 When the base changes, an adapter trained over the old one stops serving (``server.adapter_directory``:
 its scope falls back to its cohort, tenant or the base) and the scope's next personal round
@@ -30,7 +32,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session, sessionmaker
 
 from learner.collect import feedback_samples
-from learner.evaluation.stage import trainable
+from learner.evaluation.stage import Evaluation, evaluate_candidate, held_out_answers, load_eval_set, trainable
 from learner.round_config import RoundConfig, RoundError
 from learner.round_rewards import RoundRewards
 from learner.server_api import ServerApi
@@ -52,7 +54,7 @@ __all__ = ["PersonalRoundConfig", "PersonalRoundResult", "ScopeResult", "run_per
 
 log = logging.getLogger(__name__)
 
-ScopeStatus = Literal["succeeded", "failed", "nothing_to_learn"]
+ScopeStatus = Literal["succeeded", "held_back", "failed", "nothing_to_learn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,7 @@ class _PersonalRound:
         try:
             advantages = rewards.feedback_advantages(samples)
             checkpoint, sha256 = self._train(scope, adapter_id, samples, advantages, parent, metrics)
+            evaluation = self._evaluate(scope, checkpoint, parent, batch.watermark)
             with self.sessions.begin() as session:
                 record_adapter(
                     session,
@@ -233,12 +236,54 @@ class _PersonalRound:
                     sha256=sha256,
                     watermark=batch.watermark,
                     ratings=len(samples),
-                    metrics=metrics,
+                    metrics=metrics | (evaluation.metrics if evaluation else {}),
                 )
+                if evaluation is not None:
+                    set_adapter_status(
+                        session,
+                        adapter_id=adapter_id,
+                        status="candidate",
+                        reason=evaluation.reason,
+                        evaluation=evaluation.record,
+                    )
+            if evaluation is not None and not evaluation.passed:
+                return result("held_back", adapter_id=adapter_id, samples=len(samples), error=evaluation.reason)
             self._promote(adapter_id)
-        except (RoundError, RuntimeError, OSError, ValueError) as exc:
+        except (RoundError, RuntimeError, OSError, ValueError) as exc:  # EvalFailed is a RuntimeError
             return result("failed", adapter_id=None, samples=len(samples), error=f"{type(exc).__name__}: {exc}")
         return result("succeeded", adapter_id=adapter_id, samples=len(samples))
+
+    def _evaluate(
+        self, scope: Scope, checkpoint: Path, parent: AdapterView | None, watermark: int
+    ) -> Evaluation | None:
+        """The gate for a scope's adapter: scored against what serves the scope now (its adapter over
+        this base, else the base), on the scope's held-out ratings (or the eval prompts file)."""
+        evaluation = self.config.base.evaluation
+        if not evaluation.on:
+            return None
+        with self.sessions.begin() as session:
+            history = collect_feedback(
+                session,
+                model=self.model,
+                since=0,
+                until=watermark,
+                tenant_id=scope.tenant_id,
+                end_users=scope.users,
+            )
+        eval_set = load_eval_set(
+            evaluation, held_out_answers(history.items, evaluation, self.config.base.reward_mapping)
+        )
+        current = (
+            parent if parent and parent.status == "serving" and parent.base_version_id == self.base_version else None
+        )
+        return evaluate_candidate(
+            evaluation,
+            eval_set,
+            candidate=checkpoint,
+            serving=Path(current.checkpoint_path) if current else self.base_dir,
+            serving_version=current.id if current else None,
+            num_threads=self.config.base.num_threads,
+        )
 
     def _train(
         self,

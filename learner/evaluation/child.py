@@ -1,5 +1,7 @@
 """Scoring checkpoints in a child process: the serving engines' weights are never touched.
 
+A checkpoint is a model folder, or a PEFT adapter folder (scored over the base its config names).
+
 Each checkpoint is loaded from disk with transformers (float32, the learner's device: the CPU, as
 training), scored (``learner.evaluation.scoring``) and freed before the next, so at most one extra
 model is in memory at a time. A crash or hang fails the evaluation, not the process that asked.
@@ -68,12 +70,25 @@ def _score_all(request: dict[str, Any]) -> dict[str, dict[str, float]]:
     scores = {}
     for name, path in request["checkpoints"].items():
         started = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        scores[name] = score_model(model, tokenizer, eval_set, method) | {"seconds": time.perf_counter() - started}
+        base = _adapter_base(Path(path))
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(base or path, dtype=torch.float32)
+        if base is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, path)
+        tokenizer = AutoTokenizer.from_pretrained(base or path)
+        # A PeftModel forwards and generates as its base does.
+        scored = score_model(model, tokenizer, eval_set, method)  # type: ignore[arg-type]
+        scores[name] = scored | {"seconds": time.perf_counter() - started}
         del model
         gc.collect()
     return scores
+
+
+def _adapter_base(path: Path) -> str | None:
+    """For a PEFT adapter folder, the base checkpoint it was trained over (its config names it)."""
+    config = path / "adapter_config.json"
+    return str(json.loads(config.read_text())["base_model_name_or_path"]) if config.is_file() else None
 
 
 def main(argv: list[str]) -> int:

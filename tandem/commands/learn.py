@@ -173,9 +173,11 @@ def _personal_round(config: PersonalRoundConfig) -> None:
             errors.print(f"[red]tandem learn --personal: {exc}[/red]", soft_wrap=True)
             raise typer.Exit(code=1) from exc
     failed = [s for s in result.scopes if s.status == "failed"]
+    held = [s for s in result.scopes if s.status == "held_back"]
     console.print(
         f"personal round over base {result.base_version}: {len(result.trained)} adapters serving, "
-        f"{len(failed)} failed, {len(result.scopes)} scopes due, {result.seconds:.1f} s"
+        f"{len(held)} held back by evaluation, {len(failed)} failed, {len(result.scopes)} scopes due, "
+        f"{result.seconds:.1f} s"
     )
     if failed:
         raise typer.Exit(code=1)

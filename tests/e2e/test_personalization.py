@@ -16,6 +16,7 @@ answers under that taste: that proof waits for measured settings under which bot
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,7 @@ from learner.personal_round import PersonalRoundConfig, PersonalRoundResult, run
 from learner.round import RoundConfig
 from learner.training_request import AdapterSpec
 from storage import get_adapter
+from tests.e2e.test_eval_gate import eval_file
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.streaming_load import StreamingLoad
@@ -150,3 +152,52 @@ def test_personal_rounds_serve_each_scope_its_own_adapter_through_swaps(gateway:
         row = get_adapter(session, adapter_id=adapter or "")
     assert row.base_version_id == "base-2" and row.parent_id == latest["b"]
     assert row.metrics["continued_from"] == latest["b"] and row.ratings > RATINGS_PER_COHORT  # both rounds' ratings
+
+
+@pytest.fixture
+def fresh_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    settings = gateway_settings(tmp_path_factory.mktemp("gated"), tiny_model_path(), admin_key=ADMIN_KEY)
+    with run_gateway(settings, tenants=(TENANT,)) as gw:
+        yield gw
+
+
+def rated_answers(gateway: Gateway, user: str) -> list[tuple[str, str, str]]:
+    """``user`` asks four questions twice, likes one answer of each and not the other; (question,
+    answer, rating) as logged."""
+    client = gateway.client(gateway.keys[TENANT])
+    rated = []
+    for index, question in enumerate(["Describe the sea.", "Describe a cat.", "Describe a dog.", "Name a colour."] * 2):
+        reply = client.chat.completions.create(
+            model=gateway.model, messages=[{"role": "user", "content": question}], max_tokens=8, seed=index, user=user
+        )
+        rating = "up" if index < 4 else "down"  # a group of two per question: advantages +1 and -1
+        client.post("/feedback", body={"completion_id": reply.id, "rating": rating}, cast_to=object)
+        rated.append((question, reply.choices[0].message.content or "", rating))
+    client.get(f"/completions/{reply.id}", cast_to=object)  # flushes the conversation log
+    return rated
+
+
+@pytest.mark.parametrize("flip", [True, False], ids=["worse: held back", "better: promoted"])
+def test_the_gate_holds_back_an_adapter_worse_than_what_serves_the_scope(
+    fresh_gateway: Gateway, tmp_path: Path, flip: bool
+) -> None:
+    gateway = fresh_gateway
+    rated = rated_answers(gateway, "gated-user")
+    # Training on the ratings moves the adapter the ratings' way; a file calling good what the user
+    # disliked (flip) scores it below the base, the same file unflipped above it.
+    prompts = eval_file(tmp_path / "eval.jsonl", rated, flip=flip)
+    config = personal_config(gateway, tmp_path / "checkpoints", "user")
+    gated = replace(config.base, evaluation=EvalConfig(prompts_path=prompts, margin=0.0))
+    config = replace(config, base=gated, num_steps=8)  # far enough from the base for the scores to differ
+    (scope,) = run_personal_round(config).scopes
+    with gateway.sessions()() as session:
+        row = get_adapter(session, adapter_id=scope.adapter_id or "")
+    record = row.evaluation
+    assert record["serving_version"] is None and record["n"] == 8  # against the base: no adapter served yet
+    served = served_adapter(gateway.client(gateway.keys[TENANT]), gateway, "gated-user")[0]
+    if flip:
+        assert scope.status == "held_back" and row.status == "candidate" and record["passed"] is False
+        assert row.status_reason == scope.error and served is None
+    else:
+        assert scope.status == "succeeded" and row.status == "serving" and record["passed"] is True
+        assert served == row.id
