@@ -13,7 +13,7 @@ from storage.audit import AdminActionView
 from storage.completions import CompletionView
 from storage.data_deletions import DeletionView
 from storage.model_versions import ModelVersionView
-from storage.rating_trend import VersionRating
+from storage.rating_trend import AdapterRating, VersionRating
 from storage.rounds import TrainingRoundView
 from storage.schedules import ScheduleView
 from storage.user_data import SessionView
@@ -139,6 +139,13 @@ class ScheduleRun(BaseModel):
 RatedVersion = view_model(
     "RatedVersion", VersionRating, "How users rated one version.", object=(Literal["version_rating"], ...)
 )
+RatedAdapter = view_model(
+    "RatedAdapter", AdapterRating, "How a scope rated one adapter version.", object=(Literal["adapter_rating"], ...)
+)
+
+
+class RatedAdapterList(ObjectList[RatedAdapter]):  # type: ignore[valid-type]
+    """Adapter versions by scope, each scope's in the order they first answered."""
 
 
 Adapter = view_model(

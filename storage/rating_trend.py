@@ -14,9 +14,9 @@ from datetime import datetime
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from storage.models import Completion, Feedback, ModelVersion
+from storage.models import Adapter, Completion, Feedback, ModelVersion
 
-__all__ = ["VersionRating", "rating_trend"]
+__all__ = ["AdapterRating", "VersionRating", "adapter_rating_trend", "rating_trend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,72 @@ def rating_trend(session: Session, *, model: str | None = None) -> list[VersionR
         VersionRating(
             model=row.model,
             weight_version=row.weight_version,
+            status=row.status,
+            rated=int(row.rated),
+            up=int(row.up),
+            down=int(row.down),
+            mean_score=float(row.mean_score),
+            first_at=row.first_at,
+            last_at=row.last_at,
+        )
+        for row in session.execute(query)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRating:
+    """How a scope's users rated the answers one of its adapter versions gave (as ``VersionRating``)."""
+
+    model: str
+    tenant_id: str
+    scope_kind: str
+    scope: str
+    adapter_id: str
+    status: str
+    rated: int
+    up: int
+    down: int
+    mean_score: float
+    first_at: datetime
+    last_at: datetime
+
+
+def adapter_rating_trend(
+    session: Session, *, model: str | None = None, tenant_id: str | None = None
+) -> list[AdapterRating]:
+    """Every adapter version with a rated answer, by scope, each scope's in the order they first answered."""
+    first_at = func.min(Completion.created_at)
+    query = (
+        select(
+            Adapter.model,
+            Adapter.tenant_id,
+            Adapter.scope_kind,
+            Adapter.scope,
+            Adapter.id,
+            Adapter.status,
+            func.count().label("rated"),
+            func.sum(case((Feedback.score > 0, 1), else_=0)).label("up"),
+            func.sum(case((Feedback.score < 0, 1), else_=0)).label("down"),
+            func.avg(Feedback.score).label("mean_score"),
+            first_at.label("first_at"),
+            func.max(Completion.created_at).label("last_at"),
+        )
+        .join(Completion, Completion.id == Feedback.completion_id)
+        .join(Adapter, Adapter.id == Completion.adapter_id)
+        .group_by(Adapter.model, Adapter.tenant_id, Adapter.scope_kind, Adapter.scope, Adapter.id, Adapter.status)
+        .order_by(Adapter.tenant_id, Adapter.scope_kind, Adapter.scope, first_at, Adapter.id)
+    )
+    if model is not None:
+        query = query.where(Adapter.model == model)
+    if tenant_id is not None:
+        query = query.where(Adapter.tenant_id == tenant_id)
+    return [
+        AdapterRating(
+            model=row.model,
+            tenant_id=row.tenant_id,
+            scope_kind=row.scope_kind,
+            scope=row.scope,
+            adapter_id=row.id,
             status=row.status,
             rated=int(row.rated),
             up=int(row.up),

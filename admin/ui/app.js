@@ -197,7 +197,7 @@ async function act(label, run) {
 
 // ---- sections --------------------------------------------------------------------------------
 
-const state = { trendModel: null, servingModel: null };
+const state = { trendModel: null, servingModel: null, adapterScope: null };
 
 async function loadServing() {
   const serving = await api("GET", "/admin/weights");
@@ -217,30 +217,39 @@ async function loadTrend() {
   select.replaceChildren(...models.map((m) => el("option", { value: m, text: m, selected: m === state.trendModel })));
   select.parentElement.hidden = models.length < 2; // one model: the header already names it
   const shown = points.filter((p) => p.model === state.trendModel);
-  drawTrend(shown);
-  fill(
-    "trend-rows",
-    shown.map((p) =>
-      el(
-        "tr",
-        { "data-id": p.weight_version },
-        td(mono(p.weight_version)),
-        td(p.status ? badge(p.status) : el("span", { class: "muted", text: "unrecorded" })),
-        td(String(p.rated), "num"),
-        td(String(p.up), "num"),
-        td(String(p.down), "num"),
-        td(fmtScore(p.mean_score), `num ${p.mean_score >= 0 ? "pos" : "neg"}`),
-        td(fmtTime(p.first_at)),
-        td(fmtTime(p.last_at)),
-      ),
-    ),
-    8,
-    "No rated answers yet.",
+  drawTrend($("trend-chart"), shown, (p) => p.weight_version);
+  fill("trend-rows", shown.map((p) => ratingRow(p.weight_version, p)), 8, "No rated answers yet.");
+}
+
+function ratingRow(id, p) {
+  return el(
+    "tr",
+    { "data-id": id },
+    td(mono(id)),
+    td(p.status ? badge(p.status) : el("span", { class: "muted", text: "unrecorded" })),
+    td(String(p.rated), "num"),
+    td(String(p.up), "num"),
+    td(String(p.down), "num"),
+    td(fmtScore(p.mean_score), `num ${p.mean_score >= 0 ? "pos" : "neg"}`),
+    td(fmtTime(p.first_at)),
+    td(fmtTime(p.last_at)),
   );
 }
 
-function drawTrend(points) {
-  const chart = $("trend-chart");
+async function loadAdapters() {
+  const points = (await api("GET", "/admin/stats/adapter-ratings")).data;
+  const scopeOf = (p) => `${p.tenant_id} / ${p.scope_kind} / ${p.scope}`;
+  const scopes = [...new Set(points.map(scopeOf))];
+  if (!scopes.includes(state.adapterScope)) state.adapterScope = scopes[0] || null;
+  const select = $("adapter-scope");
+  select.replaceChildren(...scopes.map((s) => el("option", { value: s, text: s, selected: s === state.adapterScope })));
+  select.parentElement.hidden = scopes.length === 0;
+  const shown = points.filter((p) => scopeOf(p) === state.adapterScope);
+  drawTrend($("adapter-chart"), shown, (p) => p.adapter_id);
+  fill("adapter-rows", shown.map((p) => ratingRow(p.adapter_id, p)), 8, "No rated answers from adapters yet.");
+}
+
+function drawTrend(chart, points, name) {
   if (points.length === 0) {
     chart.replaceChildren(el("p", { class: "muted empty", text: "No ratings to draw yet." }));
     return;
@@ -254,7 +263,7 @@ function drawTrend(points) {
   const x = (i) => m.left + inset + (points.length === 1 ? plotW / 2 : (i * plotW) / (points.length - 1));
   const y = (v) => m.top + ((1 - v) / 2) * plotH;
   const most = Math.max(...points.map((p) => p.rated));
-  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "Mean rating per model version" });
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "Mean rating per version" });
 
   for (const v of [1, 0.5, 0, -0.5, -1]) {
     root.append(
@@ -269,13 +278,13 @@ function drawTrend(points) {
   points.forEach((p, i) => {
     const r = 4 + 5 * Math.sqrt(p.rated / most);
     const dot = svg("circle", { cx: x(i), cy: y(p.mean_score), r, class: `dot ${p.status || "unrecorded"}` });
-    dot.append(svg("title", {}, `${p.weight_version}: ${fmtScore(p.mean_score)} over ${p.rated} rated answers`));
+    dot.append(svg("title", {}, `${name(p)}: ${fmtScore(p.mean_score)} over ${p.rated} rated answers`));
     root.append(dot);
     if (i % labelEvery === 0 || i === points.length - 1) {
       const above = p.mean_score > 0.75 ? y(p.mean_score) + r + 14 : y(p.mean_score) - r - 6;
       root.append(
         svg("text", { x: x(i), y: above, class: "value", "text-anchor": "middle" }, fmtScore(p.mean_score)),
-        svg("text", { x: x(i), y: H - m.bottom + 20, class: "tick", "text-anchor": "middle" }, shortId(p.weight_version, 16)),
+        svg("text", { x: x(i), y: H - m.bottom + 20, class: "tick", "text-anchor": "middle" }, shortId(name(p), 16)),
         svg("text", { x: x(i), y: H - m.bottom + 34, class: "tick faint", "text-anchor": "middle" }, `n=${p.rated}`),
       );
     }
@@ -428,6 +437,7 @@ async function loadEngines() {
 
 const SECTIONS = [
   [loadTrend, "trend-rows", 8],
+  [loadAdapters, "adapter-rows", 8],
   [loadModels, "model-rows", 8],
   [loadRuns, "run-rows", 9],
   [loadSchedules, "schedule-rows", 7],
@@ -571,6 +581,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("schedule-form").elements.kind.addEventListener("change", showKindFields);
   $("trend-model").addEventListener("change", (event) => {
     state.trendModel = event.target.value;
+    refresh();
+  });
+  $("adapter-scope").addEventListener("change", (event) => {
+    state.adapterScope = event.target.value;
     refresh();
   });
   const signedIn = Boolean(sessionStorage.getItem(KEY_STORAGE));
