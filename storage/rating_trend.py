@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -32,6 +33,29 @@ class VersionRating:
     last_at: datetime
 
 
+def _rated(first_at: Any) -> list[Any]:
+    """The columns both trends share: rated answers, ups, downs, mean score, first and last answer."""
+    return [
+        func.count().label("rated"),
+        func.sum(case((Feedback.score > 0, 1), else_=0)).label("up"),
+        func.sum(case((Feedback.score < 0, 1), else_=0)).label("down"),
+        func.avg(Feedback.score).label("mean_score"),
+        first_at.label("first_at"),
+        func.max(Completion.created_at).label("last_at"),
+    ]
+
+
+def _counts(row: Any) -> dict[str, Any]:
+    return {
+        "rated": int(row.rated),
+        "up": int(row.up),
+        "down": int(row.down),
+        "mean_score": float(row.mean_score),
+        "first_at": row.first_at,
+        "last_at": row.last_at,
+    }
+
+
 def rating_trend(session: Session, *, model: str | None = None) -> list[VersionRating]:
     """Every version with at least one rated answer, in the order they first answered (oldest first)."""
     first_at = func.min(Completion.created_at)
@@ -40,12 +64,7 @@ def rating_trend(session: Session, *, model: str | None = None) -> list[VersionR
             Completion.model,
             Completion.weight_version,
             ModelVersion.status,
-            func.count().label("rated"),
-            func.sum(case((Feedback.score > 0, 1), else_=0)).label("up"),
-            func.sum(case((Feedback.score < 0, 1), else_=0)).label("down"),
-            func.avg(Feedback.score).label("mean_score"),
-            first_at.label("first_at"),
-            func.max(Completion.created_at).label("last_at"),
+            *_rated(first_at),
         )
         .join(Completion, Completion.id == Feedback.completion_id)
         .outerjoin(ModelVersion, ModelVersion.id == Completion.weight_version)
@@ -59,12 +78,7 @@ def rating_trend(session: Session, *, model: str | None = None) -> list[VersionR
             model=row.model,
             weight_version=row.weight_version,
             status=row.status,
-            rated=int(row.rated),
-            up=int(row.up),
-            down=int(row.down),
-            mean_score=float(row.mean_score),
-            first_at=row.first_at,
-            last_at=row.last_at,
+            **_counts(row),
         )
         for row in session.execute(query)
     ]
@@ -101,12 +115,7 @@ def adapter_rating_trend(
             Adapter.scope,
             Adapter.id,
             Adapter.status,
-            func.count().label("rated"),
-            func.sum(case((Feedback.score > 0, 1), else_=0)).label("up"),
-            func.sum(case((Feedback.score < 0, 1), else_=0)).label("down"),
-            func.avg(Feedback.score).label("mean_score"),
-            first_at.label("first_at"),
-            func.max(Completion.created_at).label("last_at"),
+            *_rated(first_at),
         )
         .join(Completion, Completion.id == Feedback.completion_id)
         .join(Adapter, Adapter.id == Completion.adapter_id)
@@ -125,12 +134,7 @@ def adapter_rating_trend(
             scope=row.scope,
             adapter_id=row.id,
             status=row.status,
-            rated=int(row.rated),
-            up=int(row.up),
-            down=int(row.down),
-            mean_score=float(row.mean_score),
-            first_at=row.first_at,
-            last_at=row.last_at,
+            **_counts(row),
         )
         for row in session.execute(query)
     ]
