@@ -202,10 +202,10 @@ async def load_lora_adapter(request: Request, service: ServiceDep) -> Response:
     if not isinstance(name, str) or not isinstance(path, str):
         return _error("load_lora_adapter needs lora_name and lora_path")
     try:
-        await service.load_adapter(name, path)
+        await service.adapters.load(name, path)
     except EngineError as exc:
         return _json({"success": False, "error_message": str(exc)}, exc.status)
-    return _json({"success": True, "error_message": "", "loaded_adapters": dict(service.adapters_by_name())})
+    return _json({"success": True, "error_message": "", "loaded_adapters": service.adapters.paths()})
 
 
 @router.post("/unload_lora_adapter")
@@ -213,10 +213,10 @@ async def unload_lora_adapter(request: Request, service: ServiceDep) -> Response
     body = orjson.loads(await request.body() or b"{}")
     name = body.get("lora_name") if isinstance(body, dict) else None
     try:
-        service.unload_adapter(str(name))
+        service.adapters.unload(str(name))
     except KeyError:
         return _json({"success": False, "error_message": f"no adapter named {name!r} is loaded"}, 400)
-    return _json({"success": True, "error_message": "", "loaded_adapters": dict(service.adapters_by_name())})
+    return _json({"success": True, "error_message": "", "loaded_adapters": service.adapters.paths()})
 
 
 @router.post("/pause_generation")

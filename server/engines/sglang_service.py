@@ -92,6 +92,39 @@ def parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParams
     return input_ids, sampling_from_json(params, top)
 
 
+class NamedAdapters:
+    """SGLang's loaded LoRA adapters by name (``/load_lora_adapter``), over the engine's adapter cache."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self._engine = engine
+        self._by_name: dict[str, AdapterRef] = {}
+
+    async def load(self, name: str, path: str) -> None:
+        """Read the folder now (a bad one is refused here, not at the first request) and name it."""
+        adapter = AdapterRef(key=name, path=path)
+        await self._engine.load_adapter(adapter)
+        self._by_name[name] = adapter
+
+    def unload(self, name: str) -> None:
+        """Forget ``name``; requests already decoding with it finish with it.
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        del self._by_name[name]
+        self._engine.adapters.drop(name)
+
+    def ref(self, name: str) -> AdapterRef:
+        """Raises ValueError (a bad request) for a name that is not loaded."""
+        if name not in self._by_name:
+            raise ValueError(f"lora_path {name!r} is not a loaded adapter (POST /load_lora_adapter first)")
+        return self._by_name[name]
+
+    def paths(self) -> dict[str, str]:
+        """SGLang's ``loaded_adapters``: name -> folder."""
+        return {name: ref.path for name, ref in self._by_name.items()}
+
+
 class EngineService:
     """The engine, its tokenizer and the trainer's weight update groups."""
 
@@ -99,7 +132,7 @@ class EngineService:
         self.engine = engine
         self.tokenizer = tokenizer
         self.groups = UpdateGroups(engine.device)
-        self.adapters: dict[str, AdapterRef] = {}  # SGLang's loaded LoRA names -> their folders
+        self.adapters = NamedAdapters(engine)
 
     @classmethod
     async def open(cls, open_engine: Callable[[], Awaitable[LocalEngine]]) -> EngineService:
@@ -136,8 +169,6 @@ class EngineService:
         # Higher goes first, as with SGLang's --enable-priority-scheduling; none means the default.
         priority = body.get("priority")
         lora = body.get("lora_path")
-        if lora is not None and lora not in self.adapters:
-            raise ValueError(f"lora_path {lora!r} is not a loaded adapter (POST /load_lora_adapter first)")
         chunks = self.engine.generate(
             input_ids,
             sampling,
@@ -145,25 +176,9 @@ class EngineService:
             cache_salt=body.get("cache_salt"),
             request_id=rid,
             priority=DEFAULT_PRIORITY if priority is None else priority,
-            adapter=self.adapters[lora] if lora is not None else None,
+            adapter=self.adapters.ref(lora) if lora is not None else None,
         )
         return result, chunks
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Read the folder now (a bad one is refused here, not at the first request) and name it."""
-        adapter = AdapterRef(key=name, path=path)
-        await self.engine.load_adapter(adapter)
-        self.adapters[name] = adapter
-
-    def adapters_by_name(self) -> dict[str, str]:
-        """SGLang's ``loaded_adapters``: name -> folder."""
-        return {name: ref.path for name, ref in self.adapters.items()}
-
-    def unload_adapter(self, name: str) -> None:
-        """Forget ``name``; requests already decoding with it finish with it."""
-        if self.adapters.pop(name, None) is None:
-            raise KeyError(name)
-        self.engine.adapters.drop(name)
 
     async def healthy(self) -> bool:
         """Alive and able to generate one token (SGLang's /health_generate)."""
