@@ -34,6 +34,7 @@ _UNSUPPORTED = {
     "use_dora": "DoRA",
     "modules_to_save": "modules_to_save",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "rank_pattern": "per-module ranks (rank_pattern: each module's own scale)",
     "fan_in_fan_out": "fan_in_fan_out",
 }
 
