@@ -199,9 +199,8 @@ async def test_sglang_clients_load_adapters_on_first_use_and_evict_idle_ones(
     """The SGLang path (``/load_lora_adapter``, ``lora_path``) against `tandem engine`'s routes."""
     client = await SGLangClient.open(engine_url, max_loaded_adapters=2)
     try:
-        results = await asyncio.gather(
-            *(collect(client, prompts[i], greedy(8), adapter=ref(a)) for i, a in enumerate(adapters[:2]))
-        )
+        # One after the other, so the least recently used of the two is known: the first.
+        results = [await collect(client, prompts[i], greedy(8), adapter=ref(a)) for i, a in enumerate(adapters[:2])]
         for i, result in enumerate(results):
             assert result.token_ids == peft_greedy(tiny_model, adapters[i], prompts[i], 8)
         assert sorted(client.adapters.loaded) == [adapters[0].name, adapters[1].name]
