@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,3 +179,23 @@ def serve(model: str, workdir: Path, admin_key: str, threads: int) -> Served:
     api_key = tenant_key(database_url)
     process = start(["serve"], env, f"{url}/health")
     return Served(process, url, admin_key, database_url, api_key, workdir, threads)
+
+
+@contextmanager
+def round_chart(path: Path, *, title: str, xlabel: str, ylabel: str) -> Iterator[Any]:
+    """The axes of a curves-per-round chart (matplotlib, no display), saved as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    yield axes
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -25,7 +25,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from benchmarks.common import console, serve
+from benchmarks.common import console, round_chart, serve
 from benchmarks.simulated_users import BrevityPreference, LetterPreference, Population, Preference, evaluate, questions
 from learner.judge import JudgeConfig
 from learner.rollout import RolloutConfig
@@ -104,26 +104,14 @@ def _notes(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for index, reward in enumerate(dict.fromkeys(r["reward"] for r in runs)):
-        colour = f"C{index}"
-        curves = [r["curve"] for r in runs if r["reward"] == reward]
-        mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
-        for curve in curves:
-            axes.plot(range(len(curve)), curve, color=colour, alpha=0.25, linewidth=1)
-        axes.plot(range(len(mean)), mean, color=colour, linewidth=2.5, label=f"{reward} (mean of {len(curves)})")
-    axes.set_xlabel("round")
-    axes.set_ylabel("mean hidden score of fresh answers")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with round_chart(path, title=title, xlabel="round", ylabel="mean hidden score of fresh answers") as axes:
+        for index, reward in enumerate(dict.fromkeys(r["reward"] for r in runs)):
+            colour = f"C{index}"
+            curves = [r["curve"] for r in runs if r["reward"] == reward]
+            mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+            for curve in curves:
+                axes.plot(range(len(curve)), curve, color=colour, alpha=0.25, linewidth=1)
+            axes.plot(range(len(mean)), mean, color=colour, linewidth=2.5, label=f"{reward} (mean of {len(curves)})")
 
 
 def main() -> None:

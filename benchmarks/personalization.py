@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from benchmarks.common import console, serve
+from benchmarks.common import console, round_chart, serve
 from benchmarks.simulated_users import (
     BrevityPreference,
     OppositePreference,
@@ -125,21 +125,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for name, curve in curves.items():
-        axes.plot(range(len(curve)), curve, linewidth=2.5, marker="o", label=f"{name} users, under their own taste")
-    axes.set_xlabel("personal round")
-    axes.set_ylabel("mean taste score of served answers")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    ylabel = "mean taste score of served answers"
+    with round_chart(path, title=title, xlabel="personal round", ylabel=ylabel) as axes:
+        for name, curve in curves.items():
+            axes.plot(range(len(curve)), curve, linewidth=2.5, marker="o", label=f"{name} users, under their own taste")
 
 
 def main() -> None:
