@@ -19,7 +19,7 @@ from sqlalchemy import Table, delete, select, update
 from sqlalchemy.orm import Session
 
 from storage.learning_errors import NotFoundError
-from storage.model_versions import VersionStatus
+from storage.model_versions import VersionStatus, status_change
 from storage.models import Adapter, CohortMember
 from storage.times import utcnow
 
@@ -107,14 +107,9 @@ def set_adapter_status(
     """
     now = now or utcnow()
     adapter = get_adapter(session, adapter_id=adapter_id)
-    values: dict[str, Any] = {"status": status, "status_reason": reason}
-    if evaluation is not None:
-        values["evaluation"] = evaluation
     if status == "serving":
         _retire_serving(session, adapter, now, keep=adapter_id)
-        values.update(promoted_at=now, retired_at=None)
-    elif status == "retired":
-        values["retired_at"] = now
+    values = status_change(status, reason, evaluation, now)
     session.execute(update(_ADAPTERS).where(_ADAPTERS.c.id == adapter_id).values(**values))
     return get_adapter(session, adapter_id=adapter_id)
 

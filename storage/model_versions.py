@@ -91,16 +91,25 @@ def set_version_status(
     """
     now = now or utcnow()
     model = get_version(session, version_id=version_id).model
+    if status == "serving":
+        _retire_serving(session, model, version_id, now)
+    values = status_change(status, reason, evaluation, now)
+    session.execute(update(_VERSIONS).where(_VERSIONS.c.id == version_id).values(**values))
+    return get_version(session, version_id=version_id)
+
+
+def status_change(
+    status: VersionStatus, reason: str | None, evaluation: dict[str, Any] | None, now: datetime
+) -> dict[str, Any]:
+    """The columns a status change writes (a version's or an adapter's: both follow these rules)."""
     values: dict[str, Any] = {"status": status, "status_reason": reason}
     if evaluation is not None:
         values["evaluation"] = evaluation
     if status == "serving":
-        _retire_serving(session, model, version_id, now)
         values.update(promoted_at=now, retired_at=None)
     elif status == "retired":
         values["retired_at"] = now
-    session.execute(update(_VERSIONS).where(_VERSIONS.c.id == version_id).values(**values))
-    return get_version(session, version_id=version_id)
+    return values
 
 
 def _retire_serving(session: Session, model: str, keep: str, now: datetime) -> None:
