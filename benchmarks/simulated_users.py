@@ -10,6 +10,11 @@ Preferences judge text, as a person would:
   an expected count). A model with random weights has no notion of meaning, so what it can learn is
   which tokens to prefer; a preference carried by ~9 % of the tokens is one it can, from a few
   hundred ratings.
+- ``ContrastPreference``: answers rich in some letters and poor in others are better. With two
+  letter sets the tiny model writes about equally often (k, v and c, p: 0.95 and 0.96 per 12-token
+  answer), a taste and its opposite are equally hard to learn: a model that drifts (more repetitive,
+  fewer distinct tokens) moves both groups' scores alike, where a one-sided taste such as
+  ``LetterPreference`` favours whoever dislikes the letters.
 - ``BrevityPreference``: short, plain sentences are better (1 at a mean of ``target_words`` words per
   sentence or fewer, -1 at twice that). Natural for a real chat model, and visible within the first
   tokens of an answer, so a length cap does not hide it.
@@ -34,6 +39,7 @@ from learner.sample import Sample
 
 __all__ = [
     "BrevityPreference",
+    "ContrastPreference",
     "LetterPreference",
     "OppositePreference",
     "Population",
@@ -75,6 +81,18 @@ class LetterPreference:
     def score(self, text: str) -> float:
         count = sum(text.lower().count(letter) for letter in self.letters)
         return max(-1.0, min(1.0, (count - self.expected) / self.expected))
+
+
+@dataclass(frozen=True, slots=True)
+class ContrastPreference:
+    likes: str = "kv"
+    dislikes: str = "cp"
+    scale: float = 1.5  # a lead of this many letters scores 1
+
+    def score(self, text: str) -> float:
+        lower = text.lower()
+        lead = sum(lower.count(x) for x in self.likes) - sum(lower.count(x) for x in self.dislikes)
+        return max(-1.0, min(1.0, lead / self.scale))
 
 
 @dataclass(frozen=True, slots=True)

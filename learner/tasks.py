@@ -10,6 +10,12 @@ JSON-able summary, ``status`` first:
   watermarks, seconds per stage, error);
 - ``busy``: another round of the model runs on a live worker (not an error: rounds are serialised).
 
+With the round setting ``scope`` = ``personal`` (``TANDEM_LEARN_SCOPE``, or a schedule's
+``round_settings``) the task runs a personal round instead (``learner.personal_round``): every due
+user's and cohort's adapter; its summary lists the scopes, and its status is ``failed`` when a scope
+failed, ``nothing_to_learn`` when none was due, else ``succeeded``. Personal rounds take no model
+lock: a base round may run beside one (adapters follow the base they were trained on).
+
 A server that cannot be reached fails the task (RoundError). When rounds are due is beat's business
 (``learner.beat``).
 """
@@ -28,13 +34,14 @@ from celery import Task, shared_task
 from sqlalchemy.orm import Session, sessionmaker
 
 from learner.celery_app import LEARN, LearnerCelery, Trigger
+from learner.personal_round import PersonalRoundResult, run_personal_round
 from learner.round import RoundError, RoundResult, run_round
 from learner.round_overrides import with_round_settings
-from learner.round_settings import round_config
+from learner.round_settings import personal_round_config, round_config
 from storage import RoundBusyError, fail_stale_rounds, list_rounds, make_engine, make_session_factory
 from tandem.settings import Settings
 
-__all__ = ["learn", "learn_now"]
+__all__ = ["learn", "learn_now", "personal_summary", "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +137,31 @@ def summary(result: RoundResult) -> dict[str, Any]:
     }
 
 
+def personal_summary(result: PersonalRoundResult) -> dict[str, Any]:
+    """A personal round's result as the task returns it (JSON-able)."""
+    failed = any(s.status == "failed" for s in result.scopes)
+    return {
+        "status": "failed" if failed else "succeeded" if result.scopes else "nothing_to_learn",
+        "scope": "personal",
+        "base_version": result.base_version,
+        "scopes": [dataclasses.asdict(s) for s in result.scopes],
+        "seconds": result.seconds,
+    }
+
+
 def _run(
     settings: Settings, server_url: str, admin_key: str, trigger: Trigger, schedule_id: str | None
 ) -> dict[str, Any]:
     config = round_config(settings, server_url=server_url, admin_key=admin_key, trigger=trigger)
     config = dataclasses.replace(config, schedule_id=schedule_id)
-    log.info("round starting", extra={"trigger": trigger, "schedule_id": schedule_id, "server": server_url})
-    done = summary(run_round(config))
+    scope = settings.learner.scope
+    log.info(
+        "round starting", extra={"trigger": trigger, "schedule_id": schedule_id, "server": server_url, "scope": scope}
+    )
+    if scope == "personal":
+        done = personal_summary(run_personal_round(personal_round_config(settings, config)))
+    else:
+        done = summary(run_round(config))
     level = logging.WARNING if done["status"] == "failed" else logging.INFO
     log.log(level, "round ended", extra={"trigger": trigger, "schedule_id": schedule_id, **done})
     return done

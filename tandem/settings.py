@@ -203,6 +203,12 @@ class LearnerSettings(_Group):
     )
     min_feedback: int = _learn("min_feedback", 8, ge=1, description="new rated answers that make a round due")
     min_interval_s: float = _learn("min_interval_s", 60.0, ge=0, description="at least this long between rounds")
+    scope: Literal["base", "personal"] = _learn(
+        "scope",
+        "base",
+        description="base: a round trains the shared model; personal: every user's and cohort's LoRA adapter "
+        "with enough new ratings [TANDEM_ADAPTER_*] (docs/adapters.md)",
+    )
     learning_rate: float = _learn("learning_rate", 1e-6, gt=0)
     steps: int = _learn("steps", 1, ge=1)
     threads: int = _learn("threads", 0, ge=0, description="torch CPU threads for training; 0 = torch's default")

@@ -139,8 +139,13 @@ def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Ca
 
 def export_adapter(model: torch.nn.Module, out_dir: Path) -> ExportResult:
     """Write a peft model's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors),
-    the format the engines load; the base weights are not written."""
-    return _publish(Path(out_dir), lambda staging: model.save_pretrained(staging, safe_serialization=True))  # type: ignore[operator]
+    the format the engines load; the base weights are not written (peft would add the frozen
+    embedding and output layers when an adapter targets lm_head)."""
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)  # type: ignore[operator]
+
+    return _publish(Path(out_dir), write)
 
 
 def export_checkpoint(

@@ -72,7 +72,7 @@ def learn_command(
         typer.Option(
             "--personal",
             help="Train and serve the LoRA adapter of every user and cohort with enough new ratings "
-            "[TANDEM_ADAPTER_*] (docs/adapters.md).",
+            "[TANDEM_ADAPTER_*] (docs/adapters.md); as TANDEM_LEARN_SCOPE=personal.",
         ),
     ] = False,
 ) -> None:
@@ -115,7 +115,7 @@ def learn_command(
     except (ValueError, PluginError) as exc:
         errors.print(f"[red]tandem learn: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(code=2) from exc
-    if personal:
+    if personal or settings.learner.scope == "personal":
         _personal_round(personal_round_config(settings, config))
         return
     with console.status("starting the round") as status:

@@ -27,7 +27,16 @@ import torch
 from learner.beat import DEFAULT_SCHEDULE
 from learner.celery_app import LEARN, LearnerCelery, create_celery_app, send_learn
 from learner.tasks import learn_now
-from storage import finish_round, get_round, heartbeat_round, last_watermark, list_rounds, list_versions, start_round
+from storage import (
+    finish_round,
+    get_round,
+    heartbeat_round,
+    last_watermark,
+    list_adapters,
+    list_rounds,
+    list_versions,
+    start_round,
+)
 from storage.audit import list_admin_actions
 from storage.schedules import ScheduleView, list_firings, list_schedules
 from tandem.settings import Settings
@@ -268,6 +277,35 @@ def test_a_schedules_round_settings_reach_its_round(
         round_row = get_round(session, round_id=result["round_id"])
     assert (round_row.trigger, round_row.schedule_id) == ("schedule", "sched_x")
     assert round_row.config["learning_rate"] == LEARNING_RATE / 2 and round_row.config["num_steps"] == 2
+
+
+def test_a_personal_schedule_trains_and_serves_each_users_adapter(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    env = learner_env(gateway, tmp_path / "learner", redis_prefix, TANDEM_ADAPTER_MIN_RATINGS="3")
+    created = httpx.post(
+        f"{gateway.url}/admin/schedules",
+        json={"name": "personal", "kind": "feedback", "min_feedback": 3, "round_settings": {"scope": "personal"}},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert created.status_code == 201, created.text
+    workers(env, gateway.url, "--beat")
+    chat_and_rate(gateway, [("Name a river.", "up"), ("Name a lake.", "down"), ("Name a sea.", "up")], user="pat")
+
+    def served_adapter(user: str) -> str | None:
+        raw = gateway.client(gateway.keys["e2e"]).chat.completions.with_raw_response.create(
+            model=gateway.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, user=user
+        )
+        return raw.headers.get("x-tandem-adapter")
+
+    wait_until(lambda: served_adapter("pat"), timeout_s=TASK_TIMEOUT_S, what="the schedule's personal round serves")
+    with gateway.sessions()() as session:
+        (adapter,) = list_adapters(session, model=gateway.model)
+        (firing,) = list_firings(session, schedule_id=created.json()["id"])
+        assert list_rounds(session, model=gateway.model) == ()  # no base round ran
+    assert (adapter.scope_kind, adapter.scope, adapter.status, adapter.ratings) == ("user", "pat", "serving", 3)
+    assert served_adapter("pat") == adapter.id and firing.slot == "feedback:0:0"
+    assert served_adapter("someone-else") is None and weight_version(gateway.url) == "default"  # the base stays
 
 
 def test_a_killed_workers_task_is_redelivered_and_its_round_recovered(

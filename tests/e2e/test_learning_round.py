@@ -76,8 +76,9 @@ def round_config(gateway: Gateway, tmp_path: Path, **overrides: Any) -> RoundCon
     return RoundConfig(**values)
 
 
-def chat_and_rate(gateway: Gateway, ratings: list[tuple[str, str]]) -> list[str]:
-    """One single-turn chat per (question, rating), rated through /v1/feedback; the ids, in order."""
+def chat_and_rate(gateway: Gateway, ratings: list[tuple[str, str]], user: str = "") -> list[str]:
+    """One single-turn chat per (question, rating), rated through /v1/feedback (as ``user``, when
+    given); the ids, in order."""
     client = gateway.client(gateway.keys["e2e"])
     ids = []
     for seed, (question, rating) in enumerate(ratings):
@@ -87,6 +88,7 @@ def chat_and_rate(gateway: Gateway, ratings: list[tuple[str, str]]) -> list[str]
             max_tokens=8,
             temperature=0.9,
             seed=seed,
+            **({"user": user} if user else {}),
         )
         client.post("/feedback", body={"completion_id": reply.id, "rating": rating}, cast_to=object)
         ids.append(reply.id)
