@@ -21,7 +21,7 @@ def test_the_keys_are_the_learners_round_knobs() -> None:
     assert {"learning_rate", "steps", "reward", "reward_path", "samples_per_prompt", "kl_coef", "kl_type"} <= set(
         ROUND_SETTINGS
     )
-    assert {"baseline", "rollout_max_tokens", "custom_loss_path"} <= set(ROUND_SETTINGS)
+    assert {"baseline", "rollout_max_tokens", "custom_loss_path", "scope"} <= set(ROUND_SETTINGS)
     # When rounds run and what the worker machine has are not a round's settings.
     assert not {"check_interval_s", "min_feedback", "min_interval_s", "threads"} & set(ROUND_SETTINGS)
 
@@ -47,6 +47,7 @@ def test_overrides_reach_the_round_config_and_are_stored_as_json(settings: Setti
         ({"learning_rate": "fast"}, "round_settings.learning_rate"),
         ({"steps": 1, "samples_per_prompt": 65}, "round_settings.samples_per_prompt"),
         ({"kl_type": "k9"}, "round_settings.kl_type"),
+        ({"scope": "everyone"}, "round_settings.scope"),  # base or personal
         ({"reward": "custom"}, "round_settings"),  # a custom reward needs its reward_path
         ({"reward": "custom", "reward_path": "no_such_module:score"}, "round_settings"),
     ],
