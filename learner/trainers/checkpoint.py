@@ -28,6 +28,7 @@ __all__ = [
     "export_adapter",
     "export_checkpoint",
     "export_state_dict",
+    "publish_folder",
     "weights_sha256",
 ]
 
@@ -105,7 +106,7 @@ def _stamp_dtype(config_path: Path, dtype: torch.dtype) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(out_dir: Path, write: Callable[[Path], None]) -> ExportResult:
+def publish_folder(out_dir: Path, write: Callable[[Path], None]) -> ExportResult:
     """Stage ``write(staging)``, sync, hash, and rename it to ``out_dir``: readers see all or nothing."""
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} exists: checkpoints are never overwritten")
@@ -134,7 +135,7 @@ def _write_atomically(out_dir: Path, source: Path, dtype: torch.dtype, write: Ca
         for file in tokenizer_files:
             shutil.copy2(file, staging / file.name)
 
-    return _publish(out_dir, write_checkpoint)
+    return publish_folder(out_dir, write_checkpoint)
 
 
 def export_adapter(model: torch.nn.Module, out_dir: Path) -> ExportResult:
@@ -145,7 +146,7 @@ def export_adapter(model: torch.nn.Module, out_dir: Path) -> ExportResult:
     def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)  # type: ignore[operator]
 
-    return _publish(Path(out_dir), write)
+    return publish_folder(Path(out_dir), write)
 
 
 def export_checkpoint(

@@ -37,6 +37,8 @@ __all__ = [
     "compute_advantages",
     "compute_log_probs",
     "compute_log_probs_and_entropy",
+    "forward_logits",
+    "refuse_if_not_finite",
     "response_log_probs",
     "train_step",
 ]
@@ -45,7 +47,7 @@ __all__ = [
 # log-probs
 
 
-def _forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
+def forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
     """``[T, V]`` logits of the packed row, each sample attending only to itself.
 
     The samples go in as one right-padded ``[B, L]`` batch under the model's own causal mask: one
@@ -63,12 +65,12 @@ def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
 
     Aligned with ``batch.loss_mask``, so the response tokens are where the mask is set.
     """
-    return token_log_probs(_forward_logits(model, batch), batch)
+    return token_log_probs(forward_logits(model, batch), batch)
 
 
 def compute_log_probs_and_entropy(model: nn.Module, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
     """``compute_log_probs`` and the ``[T]`` entropy of the distribution each token was drawn from."""
-    return token_log_probs_and_entropy(_forward_logits(model, batch), batch)
+    return token_log_probs_and_entropy(forward_logits(model, batch), batch)
 
 
 @torch.no_grad()
@@ -86,7 +88,8 @@ def response_log_probs(model: nn.Module, samples: Sequence[Sample], max_tokens_p
 # one step
 
 
-def _refuse_if_not_finite(what: str, number: float, optimizer: torch.optim.Optimizer) -> None:
+def refuse_if_not_finite(what: str, number: float, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``TrainingDiverged`` for a non-finite ``number``, dropping the step's gradients."""
     if not math.isfinite(number):
         optimizer.zero_grad(set_to_none=True)  # a later step must not apply these gradients
         raise TrainingDiverged(f"{what} is {number}: step refused, weights left as they were")
@@ -138,7 +141,7 @@ def train_step(
             with torch.no_grad():
                 ref_log_probs = compute_log_probs(ref_model, batch)
         loss, parts = micro_batch_loss(
-            config, inputs, samples, batch, _forward_logits(model, batch), ref_log_probs=ref_log_probs
+            config, inputs, samples, batch, forward_logits(model, batch), ref_log_probs=ref_log_probs
         )
         loss.backward()
         # Every part is reduced over the whole step's counts, so micro-batch values add up to the step's.
@@ -146,12 +149,12 @@ def train_step(
     # Checked once the step's gradients are in (a non-finite micro-batch makes the sum non-finite):
     # reading a loss per micro-batch would stall the device between micro-batches.
     loss_sum, parts_sum = totals.read()
-    _refuse_if_not_finite("loss", loss_sum, optimizer)
+    refuse_if_not_finite("loss", loss_sum, optimizer)
 
     parameters = [p for p in model.parameters() if p.grad is not None]
     max_norm = config.clip_grad if config.clip_grad is not None else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
-    _refuse_if_not_finite("grad_norm", grad_norm, optimizer)
+    refuse_if_not_finite("grad_norm", grad_norm, optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():

@@ -23,9 +23,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from learner.child_process import run_child, write_outcome
 from learner.megatron_config import check_model
@@ -33,7 +36,7 @@ from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_a
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
 from learner.training_request import AdapterSpec, TrainingRequest
 
-__all__ = ["FailureKind", "TrainingOutcome", "run_training_child"]
+__all__ = ["FailureKind", "TrainingOutcome", "load_for_training", "reference_model", "run_training_child"]
 
 FailureKind = Literal["diverged", "error", "crashed", "timeout"]
 
@@ -143,8 +146,6 @@ def _train(
     request: TrainingRequest, metrics: list[dict[str, float]], evaluations: list[dict[str, float]]
 ) -> ExportResult | None:
     """Train and export; None on a megatron rank other than 0 (rank 0 exports)."""
-    from transformers import AutoModelForCausalLM, PreTrainedModel  # the parent never needs them
-
     torch.manual_seed(request.seed)
     if request.num_threads is not None:
         torch.set_num_threads(request.num_threads)
@@ -153,15 +154,8 @@ def _train(
 
         return train_megatron(request, metrics)
 
-    def load(path: Path) -> PreTrainedModel:
-        # Trained in float32 whatever the checkpoint holds: bf16 updates of size lr * grad round to 0.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return model.to(torch.device(request.device))  # type: ignore[arg-type]  # transformers types .to oddly
-
-    model = load(request.base_model_dir)
-    ref_model = None
-    if request.config.loss.kl_loss_coef != 0:
-        ref_model = load(request.reference_model_dir or request.base_model_dir).eval().requires_grad_(False)
+    model = load_for_training(request.base_model_dir, request.device)
+    ref_model = reference_model(request)
     # The trained module: the model itself, or the model frozen under a LoRA adapter.
     policy = model if request.adapter is None else _with_adapter(model, request.adapter)
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -194,6 +188,22 @@ def _train(
     return export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
     )
+
+
+def load_for_training(path: Path, device: str) -> PreTrainedModel:
+    """A checkpoint in float32 on ``device``, whatever it holds: bf16 updates of size lr * grad round to 0."""
+    from transformers import AutoModelForCausalLM  # the parent never needs it
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types .to oddly
+
+
+def reference_model(request: TrainingRequest) -> PreTrainedModel | None:
+    """The KL loss's frozen reference policy, when the loss has one."""
+    if request.config.loss.kl_loss_coef == 0:
+        return None
+    path = request.reference_model_dir or request.base_model_dir
+    return load_for_training(path, request.device).eval().requires_grad_(False)
 
 
 def _with_adapter(model: torch.nn.Module, spec: AdapterSpec) -> torch.nn.Module:
