@@ -3,11 +3,12 @@ its last adapter trains its own LoRA adapter from its own feedback only, over th
 the server serves it to that scope from the next request on (docs/adapters.md).
 
     serving base (GET /admin/weights) -> due scopes (new ratings since each scope's watermark)
-    -> per scope, back to back: collect its feedback -> advantages (the base round's rewards and
-    baselines) -> train the adapter in a child process (continued from the scope's stored adapter,
-    else fresh) -> evaluate it against what serves the scope now, on the scope's held-out ratings
-    (``learner.evaluation``, the base round's gate and margin) -> record it -> promote it through
-    the server, or keep it a candidate with the gate's reason (``held_back``)
+    -> per scope: collect its feedback -> advantages (the base round's rewards and baselines)
+    -> train the adapters, up to ``scopes_per_pass`` scopes in one child and one pass (rows carry
+    their adapter, ``learner.training.adapter_batch``), each continued from the scope's stored
+    adapter, else fresh -> per scope: evaluate it against what serves the scope now, on the scope's
+    held-out ratings (``learner.evaluation``, the base round's gate and margin) -> record it
+    -> promote it through the server, or keep it a candidate with the gate's reason (``held_back``)
 
 When the base changes, an adapter trained over the old one stops serving (``server.adapter_directory``:
 its scope falls back to its cohort, tenant or the base) and the scope's next personal round
@@ -15,8 +16,11 @@ continues its stored weights on the new base, from all of the scope's ratings (n
 ones), as soon as it has ``min_ratings`` of them.
 
 Ratings of held-out prompts never train (as in base rounds). A scope whose training fails keeps its
-serving adapter and its watermark; the other scopes go on. Many scopes in one round run back to
-back, one child each: one child per scope keeps a failure to its scope.
+serving adapter and its watermark; the other scopes go on. A pass that fails (one adapter diverging
+fails the pass) is run again one child per scope, so the failure stays with its scope; a scope
+whose stored adapter has other settings (rank, targets) trains alone. One pass for 8 scopes is
+measured several times faster than 8 children back to back (BENCHMARKS.md): a child per scope
+loads the base each time, and the pass batches every scope's rows into the same forwards.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +40,8 @@ from learner.evaluation.stage import Evaluation, evaluate_candidate, held_out_an
 from learner.round_config import RoundConfig, RoundError
 from learner.round_rewards import RoundRewards
 from learner.server_api import ServerApi
-from learner.training import TrainingRequest, run_training_child
+from learner.training import TrainingOutcome, TrainingRequest, run_training_child
+from learner.training.adapter_batch import batch_misfit, run_adapter_batch
 from learner.training_request import AdapterSpec
 from storage import (
     AdapterView,
@@ -68,6 +73,7 @@ class PersonalRoundConfig:
     num_steps: int = 4
     min_ratings: int = 8
     scope_kinds: tuple[Literal["user", "cohort"], ...] = ("user", "cohort")
+    scopes_per_pass: int = 8  # adapters trained together in one child (1: one child per scope)
 
     def __post_init__(self) -> None:
         # A scope's adapter learns from its own rated answers; rollout rewards (reward model, judge,
@@ -76,8 +82,8 @@ class PersonalRoundConfig:
             raise ValueError(
                 f"personal rounds train on the scope's rated answers (reward feedback), not {self.base.reward}"
             )
-        if self.min_ratings < 1 or self.num_steps < 1 or not self.learning_rate > 0:
-            raise ValueError("min_ratings and num_steps must be >= 1 and learning_rate > 0")
+        if self.min_ratings < 1 or self.num_steps < 1 or self.scopes_per_pass < 1 or not self.learning_rate > 0:
+            raise ValueError("min_ratings, num_steps and scopes_per_pass must be >= 1 and learning_rate > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,25 @@ class ScopeResult:
     samples: int = 0
     seconds: float = 0.0
     error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Prepared:
+    """A due scope on its way through the round: what it trains on, then its training request."""
+
+    scope: Scope
+    parent: AdapterView | None  # the scope's latest adapter
+    adapter_id: str  # the id its new adapter will have
+    samples: list[Any]
+    watermark: int
+    started: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    request: TrainingRequest = field(init=False)
+
+    def result(self, status: ScopeStatus, **values: Any) -> ScopeResult:
+        scope = self.scope
+        seconds = time.perf_counter() - self.started
+        return ScopeResult(scope.tenant_id, scope.kind, scope.name, status, seconds=seconds, **values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +151,22 @@ def run_personal_round(
     try:
         run = _PersonalRound(config, server, make_session_factory(db), serving)
         results = []
-        for scope, since, parent in run.due_scopes():
-            result = run.train_scope(scope, since, parent)
-            log.info("personal round: %s %s/%s %s", result.status, scope.tenant_id, scope.name, result.error or "")
+
+        def report(result: ScopeResult) -> None:
+            log.info("personal round: %s %s/%s %s", result.status, result.tenant_id, result.scope, result.error or "")
             if on_scope is not None:
                 on_scope(result)
             results.append(result)
+
+        ready = []
+        for scope, since, parent in run.due_scopes():
+            prepared = run.prepare(scope, since, parent)
+            if isinstance(prepared, ScopeResult):
+                report(prepared)
+            else:
+                ready.append(prepared)
+        for prepared, outcome in run.train(ready):
+            report(run.finish(prepared, outcome))
     finally:
         db.dispose()
     return PersonalRoundResult(serving["weight_version"], tuple(results), time.perf_counter() - started)
@@ -193,14 +228,10 @@ class _PersonalRound:
         counts = count_feedback_by_user(session, model=self.model, since=since, tenant_id=scope.tenant_id)
         return sum(counts.get((scope.tenant_id, user), 0) for user in scope.users)
 
-    def train_scope(self, scope: Scope, since: int, parent: AdapterView | None) -> ScopeResult:
+    def prepare(self, scope: Scope, since: int, parent: AdapterView | None) -> _Prepared | ScopeResult:
+        """The scope's training request (its feedback, advantages and starting adapter), or why it has
+        none (``nothing_to_learn``, or ``failed`` computing its rewards)."""
         started = time.perf_counter()
-
-        def result(status: ScopeStatus, **values: Any) -> ScopeResult:
-            return ScopeResult(
-                scope.tenant_id, scope.kind, scope.name, status, seconds=time.perf_counter() - started, **values
-            )
-
         base = self.config.base
         with self.sessions.begin() as session:
             batch = collect_feedback(
@@ -213,15 +244,73 @@ class _PersonalRound:
             )
         rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
         samples = trainable(rated, base.evaluation)
+        prepared = _Prepared(scope, parent, f"ad-{uuid.uuid4().hex[:12]}", samples, batch.watermark, started)
         if not samples:
-            return result("nothing_to_learn")
-        adapter_id = f"ad-{uuid.uuid4().hex[:12]}"
-        metrics: dict[str, Any] = {"held_out": len(rated) - len(samples)}
-        rewards = RoundRewards(base, self.sessions, self.model, adapter_id, batch.watermark, self.base_dir, metrics)
+            return prepared.result("nothing_to_learn")
+        prepared.metrics["held_out"] = len(rated) - len(samples)
+        rewards = RoundRewards(
+            base, self.sessions, self.model, prepared.adapter_id, batch.watermark, self.base_dir, prepared.metrics
+        )
         try:
             advantages = rewards.feedback_advantages(samples)
-            checkpoint, sha256 = self._train(scope, adapter_id, samples, advantages, parent, metrics)
-            evaluation = self._evaluate(scope, checkpoint, parent, batch.watermark)
+        except (RoundError, RuntimeError, OSError, ValueError) as exc:
+            return prepared.result("failed", samples=len(samples), error=f"{type(exc).__name__}: {exc}")
+        prepared.request = self._request(prepared, advantages)
+        return prepared
+
+    def _request(self, prepared: _Prepared, advantages: list[float]) -> TrainingRequest:
+        base, config, parent = self.config.base, self.config, prepared.parent
+        stored = Path(parent.checkpoint_path) if parent is not None else None
+        continue_from = stored if stored is not None and stored.is_dir() else None
+        prepared.metrics["continued_from"] = parent.id if parent is not None and continue_from else None
+        return TrainingRequest(
+            base_model_dir=self.base_dir,
+            out_dir=base.checkpoint_dir / "adapters" / prepared.scope.tenant_id / prepared.adapter_id,
+            samples=tuple(prepared.samples),
+            config=base.train_config,
+            num_steps=config.num_steps,
+            learning_rate=config.learning_rate,
+            num_threads=base.num_threads,
+            timeout_s=base.train_timeout_s,
+            advantages=tuple(advantages),
+            reference_model_dir=self.base_dir,
+            adapter=replace(config.adapter, init_dir=continue_from),
+        )
+
+    def train(self, ready: list[_Prepared]) -> Iterator[tuple[_Prepared, TrainingOutcome]]:
+        """Each scope's training outcome: up to ``scopes_per_pass`` scopes in one pass, the rest (and
+        every scope of a failed pass) one child each."""
+        size = self.config.scopes_per_pass
+        fits = [size > 1 and batch_misfit([p.request]) is None for p in ready]
+        together = [p for p, fit in zip(ready, fits, strict=True) if fit]
+        alone = [p for p, fit in zip(ready, fits, strict=True) if not fit]
+        for start in range(0, len(together), size):
+            chunk = together[start : start + size]
+            if len(chunk) > 1:
+                log.info("personal round: training %s in one pass", ", ".join(p.scope.name for p in chunk))
+                outcomes = run_adapter_batch([p.request for p in chunk])
+                if all(o.status == "succeeded" for o in outcomes):
+                    yield from zip(chunk, outcomes, strict=True)
+                    continue
+                log.warning(
+                    "personal round: a pass of %d scopes failed, training them one by one: %s",
+                    len(chunk),
+                    outcomes[0].error,
+                )
+            alone += chunk
+        for prepared in alone:
+            yield prepared, run_training_child(prepared.request)
+
+    def finish(self, prepared: _Prepared, outcome: TrainingOutcome) -> ScopeResult:
+        """Evaluate, record and promote (or hold back) a scope's trained adapter."""
+        scope, parent, adapter_id, metrics = prepared.scope, prepared.parent, prepared.adapter_id, prepared.metrics
+        samples = len(prepared.samples)
+        try:
+            if outcome.status != "succeeded" or outcome.checkpoint is None:
+                raise RuntimeError(f"training {outcome.failure}: {outcome.error}")
+            metrics.update(outcome.metrics[-1] if outcome.metrics else {})
+            checkpoint = outcome.checkpoint.path
+            evaluation = self._evaluate(scope, checkpoint, parent, prepared.watermark)
             with self.sessions.begin() as session:
                 record_adapter(
                     session,
@@ -233,9 +322,9 @@ class _PersonalRound:
                     checkpoint_path=str(checkpoint),
                     base_version_id=self.base_version,
                     parent_id=parent.id if parent else None,
-                    sha256=sha256,
-                    watermark=batch.watermark,
-                    ratings=len(samples),
+                    sha256=outcome.checkpoint.sha256,
+                    watermark=prepared.watermark,
+                    ratings=samples,
                     metrics=metrics | (evaluation.metrics if evaluation else {}),
                 )
                 if evaluation is not None:
@@ -247,11 +336,11 @@ class _PersonalRound:
                         evaluation=evaluation.record,
                     )
             if evaluation is not None and not evaluation.passed:
-                return result("held_back", adapter_id=adapter_id, samples=len(samples), error=evaluation.reason)
+                return prepared.result("held_back", adapter_id=adapter_id, samples=samples, error=evaluation.reason)
             self._promote(adapter_id)
         except (RoundError, RuntimeError, OSError, ValueError) as exc:  # EvalFailed is a RuntimeError
-            return result("failed", adapter_id=None, samples=len(samples), error=f"{type(exc).__name__}: {exc}")
-        return result("succeeded", adapter_id=adapter_id, samples=len(samples))
+            return prepared.result("failed", samples=samples, error=f"{type(exc).__name__}: {exc}")
+        return prepared.result("succeeded", adapter_id=adapter_id, samples=samples)
 
     def _evaluate(
         self, scope: Scope, checkpoint: Path, parent: AdapterView | None, watermark: int
@@ -284,38 +373,6 @@ class _PersonalRound:
             serving_version=current.id if current else None,
             num_threads=self.config.base.num_threads,
         )
-
-    def _train(
-        self,
-        scope: Scope,
-        adapter_id: str,
-        samples: list[Any],
-        advantages: list[float],
-        parent: AdapterView | None,
-        metrics: dict[str, Any],
-    ) -> tuple[Path, str]:
-        base, config = self.config.base, self.config
-        stored = Path(parent.checkpoint_path) if parent is not None else None
-        continue_from = stored if stored is not None and stored.is_dir() else None
-        request = TrainingRequest(
-            base_model_dir=self.base_dir,
-            out_dir=base.checkpoint_dir / "adapters" / scope.tenant_id / adapter_id,
-            samples=tuple(samples),
-            config=base.train_config,
-            num_steps=config.num_steps,
-            learning_rate=config.learning_rate,
-            num_threads=base.num_threads,
-            timeout_s=base.train_timeout_s,
-            advantages=tuple(advantages),
-            reference_model_dir=self.base_dir,
-            adapter=replace(config.adapter, init_dir=continue_from),
-        )
-        outcome = run_training_child(request)
-        if outcome.status != "succeeded" or outcome.checkpoint is None:
-            raise RuntimeError(f"training {outcome.failure}: {outcome.error}")
-        metrics.update(outcome.metrics[-1] if outcome.metrics else {})
-        metrics["continued_from"] = parent.id if parent is not None and continue_from else None
-        return outcome.checkpoint.path, outcome.checkpoint.sha256
 
     def _promote(self, adapter_id: str) -> None:
         try:

@@ -115,4 +115,5 @@ def personal_round_config(settings: Settings, base: RoundConfig) -> PersonalRoun
         learning_rate=adapters.learning_rate,
         num_steps=adapters.steps,
         min_ratings=adapters.min_ratings,
+        scopes_per_pass=adapters.scopes_per_pass,
     )

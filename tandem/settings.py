@@ -307,6 +307,9 @@ class AdapterSettings(_Group):
     min_ratings: int = _adapter("min_ratings", 8, ge=1, description="new ratings of a scope before it trains")
     learning_rate: float = _adapter("learning_rate", 1e-3, gt=0)
     steps: int = _adapter("steps", 4, ge=1, description="optimizer steps per scope per round")
+    scopes_per_pass: int = _adapter(
+        "scopes_per_pass", 8, ge=1, description="adapters trained together in one pass (1: one child per scope)"
+    )
 
 
 GROUPS: dict[str, type[_Group]] = {

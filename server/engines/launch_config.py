@@ -26,6 +26,8 @@ KvCacheDtype = Literal["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat1
 CPU_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 # choices.py DISAGG_TRANSFER_BACKEND_CHOICES.
 TransferBackend = Literal["mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp"]
+# fields/lora.py --lora-backend choices; only torch_native runs without GPU kernels.
+LoraBackend = Literal["triton", "csgmv", "ascend", "torch_native", "triton_v2"]
 # Builtin names of `--speculative-algorithm` (NEXTN is SGLang's alias of EAGLE for built-in MTP layers).
 SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE")
@@ -50,6 +52,8 @@ SGLANG_FLAGS = {
     "--speculative-eagle-topk": "speculative.eagle_topk", "--speculative-num-draft-tokens": "speculative.num_draft_tokens",
     "--disaggregation-mode": "role", "--disaggregation-transfer-backend": "transfer_backend",
     "--disaggregation-bootstrap-port": "bootstrap_port", "--disaggregation-ib-device": "ib_device",
+    "--enable-lora": "lora", "--max-lora-rank": "lora.max_rank", "--lora-target-modules": "lora.target_modules",
+    "--max-loras-per-batch": "lora.max_loras_per_batch", "--lora-backend": "lora.backend",
 }  # fmt: skip
 TANDEM_FLAGS = {"--model": "model_path", "--host": "host", "--port": "base_port", "--weight-version": "weight_version"}
 ROUTER_FLAGS = {
@@ -68,6 +72,17 @@ class SpeculativeConfig(_Strict):
     num_steps: int | None = Field(default=None, ge=1)
     eagle_topk: int | None = Field(default=None, ge=1)
     num_draft_tokens: int | None = Field(default=None, ge=1)
+
+
+class LoraConfig(_Strict):
+    """SGLang's multi-LoRA serving, for the per-user and per-cohort adapters (docs/adapters.md). The
+    gateway loads and unloads adapters at run time and bounds how many stay resident
+    (``TANDEM_ADAPTER_MAX_LOADED``); these are the server's limits."""
+
+    max_rank: int = Field(default=16, ge=1)  # the largest adapter rank the server takes
+    target_modules: list[str] = Field(default_factory=lambda: ["all"], min_length=1)
+    max_loras_per_batch: int = Field(default=8, ge=1)  # distinct adapters in one running batch
+    backend: LoraBackend | None = None  # --lora-backend; None: SGLang's (csgmv), torch_native on the CPU
 
 
 class GroupConfig(_Strict):
@@ -97,6 +112,7 @@ class GroupConfig(_Strict):
     context_length: int | None = Field(default=None, ge=1)
     weight_version: str | None = None
     served_model_name: str | None = None
+    lora: LoraConfig | None = None
 
     @field_validator("quantization")
     @classmethod

@@ -139,7 +139,29 @@ def _sglang_argv(group: GroupConfig, index: int, port: int, python: str) -> list
     argv += tuning
     argv += _option("--served-model-name", group.served_model_name)
     argv += _option("--weight-version", group.weight_version)
-    return [*argv, *_speculative_args(group), *_disaggregation_args(group, index), *group.extra_args]
+    return [
+        *argv,
+        *_speculative_args(group),
+        *_lora_args(group),
+        *_disaggregation_args(group, index),
+        *group.extra_args,
+    ]
+
+
+def _lora_args(group: GroupConfig) -> list[str]:
+    lora = group.lora
+    if lora is None:
+        return []
+    # On the CPU only torch_native runs (the others are Triton GPU kernels); the stand-in folder's
+    # sitecustomize makes its pinned-memory staging a no-op there (sglang_cpu/sitecustomize.py).
+    backend = lora.backend or ("torch_native" if group.device == "cpu" else None)
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(lora.max_rank),
+        "--lora-target-modules", *lora.target_modules,
+        "--max-loras-per-batch", str(lora.max_loras_per_batch),
+        *_option("--lora-backend", backend),
+    ]  # fmt: skip
 
 
 def _speculative_args(group: GroupConfig) -> list[str]:

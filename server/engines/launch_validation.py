@@ -179,13 +179,16 @@ def _cpu_errors(group: GroupConfig) -> Iterator[str]:
         yield f"role: prefill/decode disaggregation {why}"
     if group.speculative is not None:
         yield f"speculative: speculative decoding {why}"
+    if group.lora is not None and group.lora.backend not in (None, "torch_native"):
+        yield f"lora.backend: {group.lora.backend} {why}; torch_native runs on the CPU"
 
 
 def _tandem_errors(group: GroupConfig) -> Iterator[str]:
     if group.engine != "tandem":
         return
     sglang_only = ("dp_size", "quantization", "kv_cache_dtype", "speculative", "max_total_tokens",
-                   "mem_fraction_static", "context_length", "bootstrap_port", "transfer_backend", "ib_device")  # fmt: skip
+                   "mem_fraction_static", "context_length", "bootstrap_port", "transfer_backend", "ib_device",
+                   "lora")  # fmt: skip
     for field in sglang_only:
         if getattr(group, field) is not None:
             yield f"{field}: SGLang-only option; the tandem engine does not take it"

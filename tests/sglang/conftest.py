@@ -73,7 +73,8 @@ def sglang_venv() -> Path:
 
 @pytest.fixture(scope="package")
 def engine_config(sglang_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One managed SGLang group on the CPU: what `tandem serve --engine-config` launches."""
+    """One managed SGLang group on the CPU, serving LoRA adapters too: what `tandem serve --engine-config`
+    launches."""
     path = tmp_path_factory.mktemp("sglang-config") / "engines.toml"
     extra = ", ".join(f'"{arg}"' for arg in TEST_SERVER_ARGS)
     path.write_text(
@@ -86,6 +87,10 @@ model_path = "{tiny_model}"
 python = "{sglang_venv / "bin" / "python"}"
 base_port = {free_port()}
 extra_args = [{extra}]
+
+[groups.lora]
+max_rank = 16
+max_loras_per_batch = 4
 """
     )
     return path

@@ -148,6 +148,28 @@ def test_cpu_group_argv_and_env() -> None:
     assert "--device" in CPU_SERVER_ARGS and "cpu" in CPU_SERVER_ARGS
 
 
+def test_a_cpu_group_serves_adapters_with_sglangs_torch_backend() -> None:
+    from server.engines.sglang_cpu import SHIM_DIR
+
+    launch = plan(one(gpus=None, device="cpu", lora={"max_loras_per_batch": 4}))[0]
+    assert launch.argv[-9:] == (
+        *("--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"),
+        *("--max-loras-per-batch", "4", "--lora-backend", "torch_native"),
+    )
+    # Its pinned-memory staging runs through the stand-in folder's sitecustomize, on PYTHONPATH.
+    assert (SHIM_DIR / "sitecustomize.py").is_file()
+    assert launch.env["PYTHONPATH"].split(":")[0] == str(SHIM_DIR)
+    assert errors_of({"groups": [group(device="cpu", lora={"backend": "csgmv"})]}) == [
+        'group "g": lora.backend: csgmv needs GPUs (device is cpu); torch_native runs on the CPU'
+    ]
+    assert errors_of({"gpus": 1, "groups": [group(engine="tandem", lora={})]}) == [
+        'group "g": lora: SGLang-only option; the tandem engine does not take it'
+    ]
+    assert errors_of({"gpus": 1, "groups": [group(extra_args=["--enable-lora"])]}) == [
+        'group "g": extra_args: --enable-lora is set by tandem from lora; remove it'
+    ]
+
+
 def test_cpu_group_memory_settings_replace_the_cpu_defaults() -> None:
     from server.engines.sglang_cpu.environment import CPU_SERVER_ARGS
 
@@ -197,6 +219,17 @@ def test_tandem_engine_group() -> None:
             ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"],
         ),
         ({"speculative": {"algorithm": "NEXTN"}}, ["--speculative-algorithm", "NEXTN"]),
+        (
+            {"lora": {}},
+            ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all", "--max-loras-per-batch", "8"],
+        ),
+        (
+            {"lora": {"max_rank": 64, "target_modules": ["q_proj", "v_proj"], "backend": "triton"}},
+            [
+                *("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "q_proj", "v_proj"),
+                *("--max-loras-per-batch", "8", "--lora-backend", "triton"),
+            ],
+        ),
         (
             {"extra_args": ["--enable-metrics", "--chunked-prefill-size", "4096"]},
             ["--enable-metrics", "--chunked-prefill-size", "4096"],
