@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from learner.algorithms import PolicyLossConfig
 from learner.sample import Sample
 from learner.trainers.torch_backend import TrainConfig
+from learner.trainers.train_config import AdapterSpec
 
 if TYPE_CHECKING:
     # Imported where used: learner.evaluation's package pulls in the database layer, which the
@@ -19,34 +20,6 @@ if TYPE_CHECKING:
     from learner.evaluation.config import EvalMethod
 
 __all__ = ["AdapterSpec", "TrainingRequest"]
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterSpec:
-    """Train a LoRA adapter over the frozen base instead of the base itself (peft's ``LoraConfig``).
-
-    ``init_dir``: continue from this adapter folder (the scope's serving adapter); None: a fresh one.
-    """
-
-    rank: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    init_dir: Path | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "init_dir": None if self.init_dir is None else str(self.init_dir)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AdapterSpec:
-        init_dir = data.get("init_dir")
-        return cls(
-            **{
-                **data,
-                "target_modules": tuple(data["target_modules"]),
-                "init_dir": Path(init_dir) if init_dir else None,
-            }
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from learner.trainers.checkpoint import ExportResult, publish_folder
-from learner.training_request import AdapterSpec
+from learner.trainers.train_config import AdapterSpec
 
 __all__ = ["StackedLoRA", "spec_of_folder"]
 

@@ -1,16 +1,19 @@
-"""What one training step is told, whichever backend runs it: ``TrainConfig`` and ``TrainingDiverged``."""
+"""What one training step is told, whichever backend runs it: ``TrainConfig`` and ``TrainingDiverged``;
+and ``AdapterSpec``, the LoRA adapter the torch backend trains instead of the whole model."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, get_args
 
 from learner.algorithms import PolicyLossConfig
 from learner.megatron_config import MegatronConfig
 from learner.plugins import HookKind, load_plugin
 
-__all__ = ["AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
+__all__ = ["AdapterSpec", "AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
 
 AdvantageEstimator = Literal["grpo", "reinforce_plus_plus_baseline"]
 Backend = Literal["torch", "megatron"]
@@ -62,3 +65,31 @@ class TrainConfig:
             raise ValueError("invalid train config: " + "; ".join(errors))
         if self.custom_loss_path is not None:
             load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """Train a LoRA adapter over the frozen base instead of the base itself (peft's ``LoraConfig``).
+
+    ``init_dir``: continue from this adapter folder (the scope's serving adapter); None: a fresh one.
+    """
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    init_dir: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "init_dir": None if self.init_dir is None else str(self.init_dir)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AdapterSpec:
+        init_dir = data.get("init_dir")
+        return cls(
+            **{
+                **data,
+                "target_modules": tuple(data["target_modules"]),
+                "init_dir": Path(init_dir) if init_dir else None,
+            }
+        )
