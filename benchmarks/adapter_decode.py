@@ -3,11 +3,13 @@ LoRA adapters, against the base alone at the same batch size, same run; plus ada
 memory per resident adapter.
 
     .venv/bin/python -m benchmarks.adapter_decode [--model smollm2-135m-instruct] [--rank 16] [--rounds 3]
+        [--device cuda --dtype bfloat16] [--batch 16]
 
 Greedy, fixed new-token count (EOS ignored). Adapters are random rank-``--rank`` LoRAs over every
 linear layer of the attention and MLP blocks (made with peft, saved in its format). Rounds cycle
 through the configurations so machine noise hits all alike; the median of each is reported as
-tokens/s and as a ratio to the base. Results go to benchmarks/results/adapter_decode_<model>.json.
+tokens/s and as a ratio to the base. Results go to benchmarks/results/adapter_decode_<model>.json
+(``_<device>_b<batch>`` added off the CPU default).
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from transformers import AutoModelForCausalLM
 from benchmarks.common import console, load_model_and_tokenizer, median, model_arg, progress
 from benchmarks.engine_decode import QUESTIONS
 from server.engines.base import AdapterRef, SamplingParams
-from server.engines.local.engine import LocalEngine
+from server.engines.local.engine import DTYPES, LocalEngine
 from server.engines.local.lora import read_adapter
 
-BATCH = 16
 DISTINCT = (0, 1, 4, 16)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,13 +64,15 @@ async def tokens_per_s(
     return sum(counts) / (time.perf_counter() - start)
 
 
-def load_times_ms(base: Path, refs: list[AdapterRef]) -> list[float]:
-    """Cold reads of each adapter folder into the serving model's dtype (what a cache miss costs)."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+def load_times_ms(base: Path, refs: list[AdapterRef], device: str, dtype: str) -> list[float]:
+    """Cold reads of each adapter folder into the serving model's dtype and device (what a cache miss costs)."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=DTYPES[dtype]).to(device)
     times = []
     for ref in refs:
         start = time.perf_counter()
         read_adapter(ref.key, Path(ref.path), model)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     return times
 
@@ -80,18 +83,24 @@ async def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="rows decoding together")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = parser.parse_args()
+    batch = args.batch
     path, tokenizer = load_model_and_tokenizer(args)
-    questions = (QUESTIONS * 2)[:BATCH]
+    questions = (QUESTIONS * (batch // len(QUESTIONS) + 1))[:batch]
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
         for q in questions
     ]
     with tempfile.TemporaryDirectory() as tmp:
         refs = make_adapters(path, Path(tmp), max(DISTINCT), args.rank)
-        loads = load_times_ms(path, refs)
-        engine = await LocalEngine.open(path, torch_threads=args.threads, max_batch_size=BATCH)
-        plans = {n: [refs[i % n] if n else None for i in range(BATCH)] for n in DISTINCT}
+        loads = load_times_ms(path, refs, args.device, args.dtype)
+        engine = await LocalEngine.open(
+            path, device=args.device, dtype=args.dtype, torch_threads=args.threads, max_batch_size=batch
+        )
+        plans = {n: [refs[i % n] if n else None for i in range(batch)] for n in DISTINCT}
         for plan in plans.values():  # warm-up: loads every adapter once, pays first-forward costs
             await tokens_per_s(engine, prompts, plan, 2)
         measured: dict[int, list[float]] = {n: [] for n in DISTINCT}
@@ -107,7 +116,9 @@ async def main() -> None:
     results = {
         "model": path.name,
         "rank": args.rank,
-        "batch": BATCH,
+        "batch": batch,
+        "device": args.device,
+        "dtype": args.dtype,
         "tokens": args.tokens,
         "threads": args.threads,
         "rounds": args.rounds,
@@ -117,10 +128,11 @@ async def main() -> None:
         "load_ms_max": max(loads),
         "bytes_per_resident_adapter": per_adapter,
     }
-    out = Path(__file__).parent / "results" / f"adapter_decode_{path.name}.json"
+    where = "" if (args.device, batch) == ("cpu", 16) else f"_{args.device}_b{batch}"
+    out = Path(__file__).parent / "results" / f"adapter_decode_{path.name}{where}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     console.print(
-        f"model {path.name}, batch {BATCH}, rank {args.rank}, {args.tokens} new tokens, median of {args.rounds}"
+        f"model {path.name} on {args.device} ({args.dtype}), batch {batch}, rank {args.rank}, {args.tokens} new tokens, median of {args.rounds}"
     )
     for n in DISTINCT:
         label = "base alone" if n == 0 else f"{n} distinct adapter{'s' if n > 1 else ''}"
