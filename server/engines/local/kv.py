@@ -86,7 +86,7 @@ class BatchKV:
 
     def append_row(self, row: RowKV) -> None:
         """Join a freshly prefilled sequence, left-padding whichever side is shorter."""
-        row_mask = torch.ones((1, row.length), dtype=torch.long)
+        row_mask = torch.ones((1, row.length), dtype=torch.long, device=row.layers[0][0].device)
         if self.cache is None:
             self.cache, self.mask = row.to_cache(), row_mask
             return
@@ -102,7 +102,7 @@ class BatchKV:
         if not keep or self.cache is None:
             self.cache, self.mask = None, torch.zeros((0, 0), dtype=torch.long)
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         start = int((mask.cumsum(1) == 0).sum(1).min())
         self.mask = mask[:, start:]
@@ -128,5 +128,5 @@ class BatchKV:
 
     def grow_mask(self) -> torch.Tensor:
         """Mark the token about to be decoded in every row; returns the mask for that forward."""
-        self.mask = torch.cat([self.mask, torch.ones((self.rows, 1), dtype=torch.long)], dim=1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=1)
         return self.mask

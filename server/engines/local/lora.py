@@ -239,6 +239,7 @@ class BatchLora:
 
     def __init__(self, model: nn.Module) -> None:
         self._linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self._device = next(model.parameters()).device
         self._hooked: set[str] = set()
         self._distinct: tuple[str, ...] = ()
         self._stacks: dict[str, _Stack | None] = {}
@@ -256,8 +257,9 @@ class BatchLora:
             self._restack([by_key[k] for k in distinct])
             self._distinct = distinct
         rows = [i for i, a in enumerate(adapters) if a is not None]
-        self._rows = torch.tensor(rows)
-        self._slots = torch.tensor([distinct.index(adapters[i].key) for i in rows])  # type: ignore[union-attr]
+        self._rows = torch.tensor(rows, device=self._device)
+        slots = [distinct.index(adapters[i].key) for i in rows]  # type: ignore[union-attr]
+        self._slots = torch.tensor(slots, device=self._device)
 
     def _restack(self, adapters: list[Adapter]) -> None:
         targets = {name for adapter in adapters for name in adapter.modules}

@@ -37,6 +37,7 @@ class ModelRunner:
         self._prefix = prefix
         self._weight_version = weight_version
         self._lora = BatchLora(model)
+        self._device = next(model.parameters()).device  # inputs go where the weights are (cpu, cuda)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
 
@@ -62,11 +63,11 @@ class ModelRunner:
             reuse, kv = self._prefix.take(seq.prefix_key, tokens)
             seq.cached_tokens = reuse
         cache = kv.to_cache() if kv is not None else DynamicCache(config=self._model.config)
-        positions = torch.arange(reuse, len(tokens))
+        positions = torch.arange(reuse, len(tokens), device=self._device)
         self._lora.set_rows([seq.adapter])
         out = self._model(
-            input_ids=torch.tensor([tokens[reuse:]]),
-            attention_mask=torch.ones((1, len(tokens)), dtype=torch.long),
+            input_ids=torch.tensor([tokens[reuse:]], device=self._device),
+            attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=self._device),
             position_ids=positions[None],
             cache=cache,
             use_cache=True,
@@ -81,7 +82,7 @@ class ModelRunner:
         mask = batch.grow_mask()
         self._lora.set_rows([seq.adapter for seq in seqs])
         out = self._model(
-            input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs]),
+            input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs], device=self._device),
             attention_mask=mask,
             position_ids=positions,
             cache=batch.cache,

@@ -39,7 +39,7 @@ GREEDY_BELOW = 1e-5
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Sampled:
     """Pick one token per row of ``logits`` [batch, vocab]."""
-    logits = logits.float()
+    logits = logits.float().cpu()  # [batch, vocab]: small; the per-row generators live on the CPU
     temperature = torch.tensor([p.temperature for p in params])
     greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
