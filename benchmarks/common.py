@@ -140,7 +140,7 @@ class Served:
 
     def round_config(self, learning_rate: float, **settings: Any) -> RoundConfig:
         """A round the benchmark runs itself against this server, checkpoints in its data dir; every
-        rating trains and every round rolls out (the evaluation gate off). ``settings``: the rest."""
+        rating trains and every round rolls out (the evaluation gate off, unless ``settings`` says). ``settings``: the rest."""
         from learner.evaluation import EvalConfig
         from learner.round import RoundConfig
 
@@ -151,8 +151,7 @@ class Served:
             checkpoint_dir=self.workdir / "checkpoints",
             learning_rate=learning_rate,
             num_threads=self.threads,
-            evaluation=EvalConfig(gate="off"),
-            **settings,
+            **{"evaluation": EvalConfig(gate="off"), **settings},
         )
 
     def stop(self) -> None:

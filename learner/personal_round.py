@@ -371,6 +371,7 @@ class _PersonalRound:
             candidate=checkpoint,
             serving=Path(current.checkpoint_path) if current else self.base_dir,
             serving_version=current.id if current else None,
+            root=self.base_dir,  # an adapter's lineage starts at the base it is trained over
             num_threads=self.config.base.num_threads,
         )
 

@@ -50,7 +50,14 @@ class Promotion:
         return version_id
 
     def evaluate(
-        self, checkpoint: Path, version_id: str, *, config: EvalConfig, eval_set: list[Sample], num_threads: int | None
+        self,
+        checkpoint: Path,
+        version_id: str,
+        *,
+        config: EvalConfig,
+        eval_set: list[Sample],
+        root: Path,
+        num_threads: int | None,
     ) -> tuple[bool, dict[str, Any]]:
         """Whether the candidate may serve, and the evaluation's metrics; the row records the why."""
         try:
@@ -60,6 +67,7 @@ class Promotion:
                 candidate=checkpoint,
                 serving=self.serving_dir,
                 serving_version=self.parent_id,
+                root=root,
                 num_threads=num_threads,
             )
         except EvalFailed as exc:

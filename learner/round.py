@@ -39,11 +39,12 @@ from learner.debug_batch import save_batch
 from learner.evaluation.scoring import unscorable
 from learner.evaluation.stage import held_out_answers, load_eval_set, trainable
 from learner.promotion import Promotion
-from learner.round_config import STAGES, RoundConfig, RoundError, RoundResult, StageFailed
+from learner.round_config import STAGES, Drifted, RoundConfig, RoundError, RoundResult, StageFailed
 from learner.round_metrics import write_round_metrics, write_step_metrics
 from learner.round_rewards import RoundRewards
 from learner.sample import Sample
 from learner.server_api import ServerApi
+from learner.trainers.drift import length_change
 from learner.training import TrainingRequest, run_training_child
 from storage import (
     RoundBusyError,
@@ -55,6 +56,7 @@ from storage import (
     make_session_factory,
     start_round,
 )
+from storage.schedules import pause_schedule
 
 __all__ = ["STAGES", "RoundConfig", "RoundError", "RoundResult", "run_round"]
 
@@ -91,6 +93,10 @@ def run_round(config: RoundConfig, *, on_stage: StageCallback | None = None) -> 
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StageFailed) else str(exc)
             if not _still_running(sessions, round_id):  # cancelled (admin API) or declared dead: row is final
                 return run.result("failed", error=f"the round was stopped: its row is no longer running ({error})")
+            if isinstance(exc, Drifted) and config.schedule_id is not None:
+                with sessions.begin() as session:
+                    pause_schedule(session, config.schedule_id, f"round {round_id}: {error}")
+                error += f"; schedule {config.schedule_id} paused until an admin enables it"
             run.finish(status="failed", error=error, metrics={"seconds": run.timer.seconds})
             return run.result("failed", error=error)
     finally:
@@ -138,6 +144,7 @@ class _Round:
             if not self.samples:  # every group's rewards were equal: nothing in this data to learn
                 self.finish(status="succeeded", watermark_to=self.watermark, metrics=self.metrics)
                 return self.result("nothing_to_learn")
+        self.refuse_length_drift()
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
             info = {"round_id": self.round_id, "model": self.model, "watermark": self.watermark}
@@ -163,6 +170,7 @@ class _Round:
                     version_id,
                     config=self.config.evaluation,
                     eval_set=self.eval_set(),
+                    root=self.root_dir,
                     num_threads=self.config.num_threads,
                 )
             self.metrics |= measured
@@ -264,7 +272,23 @@ class _Round:
             eval_every=every if eval_set else 0,
             eval_set=eval_set,
             eval_method=config.evaluation.method,
+            drift=config.drift if config.drift.on and config.train_config.backend == "torch" else None,
         )
+
+    def refuse_length_drift(self) -> None:
+        """Stop before training when the batch's answers are far longer or shorter than the lineage's
+        earlier rounds' (they come from the serving policy: its answers changed length)."""
+        if not self.config.drift.on:
+            return
+        with self.sessions.begin() as session:
+            earlier = list_rounds(session, model=self.model, status="succeeded", limit=5)
+        lengths = [
+            r.metrics["rollout/response_length_mean"] for r in earlier if "rollout/response_length_mean" in r.metrics
+        ]
+        mean = sum(s.response_length for s in self.samples) / len(self.samples)
+        why = length_change(mean, lengths, self.config.drift)
+        if why is not None:
+            raise Drifted(f"drift guard: {why}")
 
     def train(self, request: TrainingRequest) -> Path:
         """The new checkpoint folder; a failed child leaves nothing to serve."""
@@ -274,6 +298,8 @@ class _Round:
             )
         request.out_dir.parent.mkdir(parents=True, exist_ok=True)
         outcome = run_training_child(request)
+        if outcome.failure in ("drifted", "diverged"):
+            raise Drifted(f"training {outcome.failure}: {outcome.error}")
         if outcome.status != "succeeded" or outcome.checkpoint is None:
             raise StageFailed(f"training {outcome.failure}: {outcome.error}")
         self.metrics |= dict(outcome.metrics[-1]) if outcome.metrics else {}

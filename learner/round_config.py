@@ -19,6 +19,7 @@ from learner.rewards import FeedbackRewardMapping
 from learner.rollout import RolloutConfig
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
+from learner.trainers.drift import DriftConfig
 
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
@@ -36,6 +37,11 @@ class RoundError(RuntimeError):
 
 class StageFailed(RuntimeError):
     """A stage failed for a reason its message says whole (no exception type prefixed in the round's error)."""
+
+
+class Drifted(StageFailed):
+    """The policy drifted past the drift guard's bounds (or diverged): the round stops before export and
+    the schedule that fired it pauses."""
 
 
 def default_train_config() -> TrainConfig:
@@ -104,6 +110,7 @@ class RoundConfig:
     num_threads: int | None = None
     train_timeout_s: float = 3600.0
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)  # learner.trainers.drift (torch backend)
     # metrics, debugging and plumbing
     metrics: RoundMetricsConfig | None = None  # TensorBoard / W&B; None: only the round's row
     mode: RoundMode = "train"
@@ -169,6 +176,7 @@ class RoundConfig:
             "filters": {"tenant_id": self.tenant_id, "end_user": self.end_user, "max_age_s": self.max_age_s},
             "mode": self.mode,
             "evaluation": self.evaluation.summary(),
+            "drift_guard": self.drift.guard,
         }
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from learner.evaluation import EvalConfig, EvalMethod
+from learner.evaluation.guard import GuardConfig
 from learner.megatron_config import MegatronConfig
 from learner.personal_round import PersonalRoundConfig
 from learner.rollout import RolloutConfig
@@ -13,6 +14,7 @@ from learner.round import RoundConfig
 from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
+from learner.trainers.drift import DriftConfig
 from learner.training_request import AdapterSpec
 from tandem.settings import Settings
 
@@ -68,6 +70,27 @@ def eval_config(settings: Settings) -> EvalConfig:
         max_samples=settings.evaluation.max_samples,
         every_steps=settings.evaluation.every_steps,
         timeout_s=settings.evaluation.timeout_s,
+        guard=guard_config(settings),
+    )
+
+
+def guard_config(settings: Settings) -> GuardConfig:
+    """The capability guard from the ``eval_guard_*`` settings."""
+    evaluation = settings.evaluation
+    return GuardConfig(
+        guard=evaluation.guard,
+        set_path=evaluation.guard_set,
+        user_prompts=evaluation.guard_user_prompts,
+        max_tokens=evaluation.guard_max_tokens,
+        seed=evaluation.seed,
+        max_loglik_drop=evaluation.guard_max_loglik_drop,
+        max_kl=evaluation.guard_max_kl,
+        min_length_ratio=evaluation.guard_min_length_ratio,
+        max_length_ratio=evaluation.guard_max_length_ratio,
+        max_distinct_2_drop=evaluation.guard_max_distinct_2_drop,
+        max_loop_rise=evaluation.guard_max_loop_rise,
+        max_echo_rise=evaluation.guard_max_echo_rise,
+        max_empty_rise=evaluation.guard_max_empty_rise,
     )
 
 
@@ -97,6 +120,13 @@ def round_config(
         save_batch_dir=settings.learner.save_batch_dir,
         train_config=train_config(settings),
         evaluation=eval_config(settings),
+        drift=DriftConfig(
+            guard=settings.learner.drift_guard,
+            max_kl=settings.learner.drift_max_kl,
+            min_entropy_ratio=settings.learner.drift_min_entropy_ratio,
+            grad_spike=settings.learner.drift_grad_spike,
+            max_length_change=settings.learner.drift_max_length_change,
+        ),
     )
 
 

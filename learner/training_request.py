@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from learner.algorithms import PolicyLossConfig
 from learner.sample import Sample
+from learner.trainers.drift import DriftConfig
 from learner.trainers.torch_backend import TrainConfig
 from learner.trainers.train_config import AdapterSpec
 
@@ -47,6 +48,8 @@ class TrainingRequest:
     eval_method: EvalMethod = field(default_factory=lambda: _eval_method({}))
     # A LoRA adapter over the base (the torch backend): out_dir becomes a PEFT adapter folder.
     adapter: AdapterSpec | None = None
+    # Bounds on how far the steps may move the policy (torch backend); None: unwatched.
+    drift: DriftConfig | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -66,6 +69,8 @@ class TrainingRequest:
             errors.append("eval_every must be >= 0, and > 0 only with an eval_set")
         if self.adapter is not None and self.config.backend != "torch":
             errors.append("adapters train on the torch backend only (the megatron backend trains the whole base)")
+        if self.drift is not None and self.drift.on and self.config.backend != "torch":
+            errors.append("the drift guard watches the torch backend only")
         if errors:
             raise ValueError("invalid training request: " + "; ".join(errors))
 
@@ -80,6 +85,7 @@ class TrainingRequest:
             eval_set=[s.to_dict() for s in self.eval_set],
             eval_method=dataclasses.asdict(self.eval_method),
             adapter=None if self.adapter is None else self.adapter.to_dict(),
+            drift=None if self.drift is None else dataclasses.asdict(self.drift),
         )
         return json.dumps(data)
 
@@ -98,6 +104,7 @@ class TrainingRequest:
             eval_set=tuple(Sample.from_dict(s) for s in data.get("eval_set", ())),
             eval_method=_eval_method(data.get("eval_method", {})),
             adapter=None if data.get("adapter") is None else AdapterSpec.from_dict(data["adapter"]),
+            drift=None if data.get("drift") is None else DriftConfig(**data["drift"]),
         )
         return cls(**data)
 

@@ -331,6 +331,9 @@ class TrainingSchedule(Base):
     enabled: Mapped[bool]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Set, with enabled false, when a round it fired drifted (learner.trainers.drift); enabling clears it.
+    paused_reason: Mapped[str | None] = mapped_column(NulSafeText())
+    paused_at: Mapped[datetime | None]
 
 
 class ScheduleFiring(Base):

@@ -40,6 +40,7 @@ __all__ = [
     "last_fired_at",
     "list_firings",
     "list_schedules",
+    "pause_schedule",
     "release_slot",
     "update_schedule",
 ]
@@ -81,6 +82,8 @@ class ScheduleView:
     enabled: bool
     created_at: datetime
     updated_at: datetime
+    paused_reason: str | None = None  # why the drift guard paused it (enabled is then false)
+    paused_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +123,29 @@ def update_schedule(
     if unknown:
         raise ValueError(f"not schedule fields: {sorted(unknown)}")
     get_schedule(session, schedule_id)
-    statement = update(_SCHEDULES).where(_SCHEDULES.c.id == schedule_id).values(**changes, updated_at=now or utcnow())
+    resumed = {"paused_reason": None, "paused_at": None} if changes.get("enabled") is True else {}
+    statement = (
+        update(_SCHEDULES)
+        .where(_SCHEDULES.c.id == schedule_id)
+        .values(**changes, **resumed, updated_at=now or utcnow())
+    )
     _write(session, statement, changes)
+    return get_schedule(session, schedule_id)
+
+
+def pause_schedule(session: Session, schedule_id: str, reason: str, *, now: datetime | None = None) -> ScheduleView:
+    """Disable a schedule with the reason an operator reads; enabling it again is the resume.
+
+    Raises:
+        NotFoundError: no such schedule.
+    """
+    get_schedule(session, schedule_id)
+    moment = now or utcnow()
+    session.execute(
+        update(_SCHEDULES)
+        .where(_SCHEDULES.c.id == schedule_id)
+        .values(enabled=False, paused_reason=reason, paused_at=moment, updated_at=moment)
+    )
     return get_schedule(session, schedule_id)
 
 

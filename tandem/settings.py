@@ -225,6 +225,13 @@ class LearnerSettings(_Group):
     save_batch_dir: Path | None = _learn("save_batch_dir", None, description="save each round's batch (tandem replay)")
     kl_coef: float = _learn("kl_coef", 0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = _learn("kl_type", "low_var_kl")
+    drift_guard: Literal["on", "off"] = _learn(
+        "drift_guard", "on", description="stop a drifting round, pause its schedule"
+    )
+    drift_max_kl: float = _learn("drift_max_kl", 1.0, gt=0, description="KL to the lineage root per batch token")
+    drift_min_entropy_ratio: float = _learn("drift_min_entropy_ratio", 0.25, ge=0, lt=1)
+    drift_grad_spike: float = _learn("drift_grad_spike", 20.0, gt=1, description="x the round's median grad norm")
+    drift_max_length_change: float = _learn("drift_max_length_change", 3.0, gt=1)
     custom_loss_path: str | None = _learn("custom_loss_path", None, description="a loss replacing the built-in")
     backend: Literal["torch", "megatron"] = _learn("backend", "torch", description="trainer backend (docs/megatron.md)")
     max_tokens_per_device: int = _learn("max_tokens_per_device", 4096, ge=1, description="micro-batch token cap")
@@ -259,6 +266,18 @@ class EvaluationSettings(_Group):
     seed: int = _eval("seed", 0)
     every_steps: int = _eval("every_steps", 0, ge=0, description="also evaluate every N optimizer steps")
     timeout_s: float = _eval("timeout_s", 1800.0, gt=0)
+    guard: Literal["on", "off"] = _eval("guard", "on", description="the capability guard (docs/evaluation.md)")
+    guard_set: Path | None = _eval("guard_set", None, description="capability set JSONL; unset: the shipped one")
+    guard_user_prompts: int = _eval("guard_user_prompts", 8, ge=0, description="held-out prompts answered too")
+    guard_max_tokens: int = _eval("guard_max_tokens", 48, ge=1, description="tokens per guard answer")
+    guard_max_loglik_drop: float = _eval("guard_max_loglik_drop", 0.3, ge=0, description="reference answers, per token")
+    guard_max_kl: float = _eval("guard_max_kl", 0.5, ge=0, description="KL to the lineage root, per sampled token")
+    guard_min_length_ratio: float = _eval("guard_min_length_ratio", 0.5, ge=0)
+    guard_max_length_ratio: float = _eval("guard_max_length_ratio", 2.5, ge=0)
+    guard_max_distinct_2_drop: float = _eval("guard_max_distinct_2_drop", 0.15, ge=0)
+    guard_max_loop_rise: float = _eval("guard_max_loop_rise", 0.15, ge=0)
+    guard_max_echo_rise: float = _eval("guard_max_echo_rise", 0.1, ge=0)
+    guard_max_empty_rise: float = _eval("guard_max_empty_rise", 0.05, ge=0)
 
 
 class ObservabilitySettings(_Group):

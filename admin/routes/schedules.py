@@ -99,6 +99,8 @@ def schedule_view(schedule: ScheduleView, fired_at: datetime | None, now: dateti
         "updated_at": schedule.updated_at.isoformat(),
         "next_fire_at": following.isoformat() if following else None,
         "last_fired_at": fired_at.isoformat() if fired_at else None,
+        "paused_reason": schedule.paused_reason,
+        "paused_at": schedule.paused_at.isoformat() if schedule.paused_at else None,
     }
 
 
@@ -216,7 +218,8 @@ async def delete(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Re
 
 @router.post("/admin/schedules/{schedule_id}/enable", response_model=Schedule, responses=ERRORS)
 async def enable(schedule_id: str, actor: ActorDep, sessions: SessionsDep) -> Response:
-    """Fire again from the next slot on (a slot that passed while disabled does not fire)."""
+    """Fire again from the next slot on (a slot that passed while disabled does not fire); a schedule the
+    drift guard paused resumes, and its ``paused_reason`` is cleared."""
     return json_response(await _set_enabled(sessions, schedule_id, True, actor))
 
 

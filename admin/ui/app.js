@@ -299,6 +299,8 @@ async function loadModels() {
     versions.map((v) => {
       const status = el("span", {}, badge(v.status));
       if (v.status_reason) status.append(el("div", { class: "muted small", text: v.status_reason }));
+      const checks = guardChecks(v.evaluation);
+      if (checks) status.append(checks);
       return el(
         "tr",
         { "data-id": v.id },
@@ -314,6 +316,31 @@ async function loadModels() {
     }),
     8,
     "No model versions yet: the first learning round records one.",
+  );
+}
+
+// The capability guard's checks (learner/evaluation/guard.py): a summary line, every check on opening it.
+function guardChecks(evaluation) {
+  const checks = (evaluation && evaluation.checks) || [];
+  if (!checks.length) return null;
+  const failed = checks.filter((c) => !c.passed).length;
+  const summary = failed ? `guard: ${failed} of ${checks.length} checks failed` : `guard: ${checks.length} checks passed`;
+  const rows = checks.map((c) =>
+    el(
+      "tr",
+      { class: c.passed ? "check passed" : "check failed" },
+      td(c.passed ? "✓" : "✗"),
+      td(c.name),
+      td(fmtNum(c.value, 3), "num"),
+      td(`${c.rule} ${fmtNum(c.bound, 3)}`),
+      td(c.serving === null ? "" : `serving ${fmtNum(c.serving, 3)}`, "muted"),
+    ),
+  );
+  return el(
+    "details",
+    { class: "guard small" },
+    el("summary", { class: failed ? "guard-failed" : "muted", text: summary }),
+    el("table", { class: "checks" }, el("tbody", {}, ...rows)),
   );
 }
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from learner.evaluation.eval_set import read_eval_prompts
+from learner.evaluation.guard import GuardConfig
 from learner.plugins import HookKind, load_plugin
 
 __all__ = ["LOGLIK_MARGIN", "EvalConfig", "EvalGate", "EvalMethod"]
@@ -62,7 +63,8 @@ class EvalConfig:
 
     ``gate="off"``: no evaluation and no holdout, every rated answer trains and every candidate is
     rolled out (benchmarks). ``"on"``: a candidate is rolled out only when its score is at least the
-    serving version's minus ``margin``; otherwise it stays ``candidate`` with the scores as its reason.
+    serving version's minus ``margin`` and it passes the capability ``guard`` (``learner.evaluation.guard``,
+    unless that is off); otherwise it stays ``candidate`` with the scores and failed checks as its reason.
 
     The eval set is ``prompts_path`` (JSONL, ``learner.evaluation.eval_set.read_eval_prompts``), read
     at every round; when None, the rated answers to a stable ``holdout_fraction`` of prompts, which
@@ -78,6 +80,7 @@ class EvalConfig:
     max_samples: int = 64
     every_steps: int = 0
     timeout_s: float = 1800.0
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         errors = []
@@ -91,6 +94,8 @@ class EvalConfig:
             errors.append("max_samples must be >= 1, every_steps >= 0 and timeout_s > 0")
         if errors:
             raise ValueError("invalid eval config: " + "; ".join(errors))
+        if self.on and self.guard.on:
+            read_eval_prompts(self.guard.capability_set, needs_answers=True)  # a bad capability set fails now
         if self.prompts_path is not None:
             # checked now (a bad line fails at start-up), read again at every round
             read_eval_prompts(self.prompts_path, needs_answers=not self.method.generates)
@@ -114,6 +119,7 @@ class EvalConfig:
             "prompts_path": None if self.prompts_path is None else str(self.prompts_path),
             "holdout_fraction": self.holdout_fraction if self.holds_out else 0.0,
             "every_steps": self.every_steps,
+            "guard": self.guard.guard,
             **(
                 {
                     "temperature": method.temperature,

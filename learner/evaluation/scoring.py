@@ -29,7 +29,7 @@ from learner.rewards import score_samples
 from learner.sample import Sample, SampleStatus
 from learner.trainers.torch_backend import response_log_probs
 
-__all__ = ["score_model", "unscorable"]
+__all__ = ["score_model", "stop_ids", "tokenized", "unscorable"]
 
 
 def unscorable(eval_set: Sequence[Sample], method: EvalMethod) -> str | None:
@@ -56,7 +56,7 @@ def score_model(
         PluginError: the eval function failed or returned something other than a number.
     """
     model.eval()
-    samples = [_tokenized(s, tokenizer) for s in eval_set]
+    samples = [tokenized(s, tokenizer) for s in eval_set]
     if method.fn_path is not None:
         return _generated_score(model, tokenizer, samples, method, method.fn_path)
     return _loglik_margin(model, _rated(samples), max_tokens_per_micro_batch)
@@ -114,8 +114,7 @@ def _answers(
     device = next(model.parameters()).device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
     sampled = method.temperature > 0
-    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None}
+    stops = stop_ids(model, tokenizer)
     torch.manual_seed(method.seed + i)
     sampling = {"temperature": method.temperature, "top_p": method.top_p} if sampled else {}
     # mypy reads ``generate`` through nn.Module's __getattr__ (a Tensor); it is GenerationMixin's.
@@ -151,7 +150,13 @@ def _answers(
     return answers
 
 
-def _tokenized(sample: Sample, tokenizer: PreTrainedTokenizerBase) -> Sample:
+def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The token ids that end an answer (the generation config's EOS, else the tokenizer's)."""
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def tokenized(sample: Sample, tokenizer: PreTrainedTokenizerBase) -> Sample:
     """The sample with token ids, rendered from its messages and answer text where the file gave none."""
     prompt_ids = sample.prompt_token_ids or _prompt_ids(sample.prompt, tokenizer)
     response_ids = sample.response_token_ids or (

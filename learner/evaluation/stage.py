@@ -20,6 +20,7 @@ from learner.evaluation.child import run_eval_child
 from learner.evaluation.config import EvalConfig
 from learner.evaluation.eval_set import read_eval_prompts, split_held_out
 from learner.evaluation.gate import decide
+from learner.evaluation.guard import failed_checks, run_checks
 from learner.evaluation.scoring import unscorable
 from learner.rewards import FeedbackRewardMapping
 from learner.sample import Sample
@@ -67,14 +68,19 @@ def evaluate_candidate(
     candidate: Path,
     serving: Path,
     serving_version: str | None,
+    root: Path,
     num_threads: int | None,
 ) -> Evaluation:
-    """Score ``candidate`` and ``serving`` (checkpoint folders) and apply the margin.
+    """Score ``candidate`` and ``serving`` (checkpoint folders), apply the margin and the capability guard.
+
+    ``root`` is the lineage's first model, the reference of the guard's KL bound. The guard runs also
+    when the preference cannot be scored yet (no held-out ratings): a first round is guarded too.
 
     Raises:
         EvalFailed: the evaluation child failed (the eval function raised, a crash, the timeout).
     """
     method = config.method
+    guard = config.guard if config.guard.on else None
     record: dict[str, Any] = {
         "fn": method.name,
         "margin": config.margin,
@@ -83,27 +89,50 @@ def evaluate_candidate(
         "sampling": {k: v for k, v in asdict(method).items() if k != "fn_path"} if method.generates else None,
     }
     why = unscorable(eval_set, method)
-    if why is not None:
+    if why is not None and guard is None:
         record |= {"passed": None, "skipped": why, "n": 0}
         return Evaluation(True, f"promoted without evaluation: {why}", record, {"eval/n": 0.0})
     scores = run_eval_child(
-        {"serving": serving, "candidate": candidate},
+        {"candidate": candidate, "serving": serving},
         eval_set,
         method,
         num_threads=num_threads,
         timeout_s=config.timeout_s,
+        guard=guard,
+        root=root,
     )
     ours, theirs = scores["candidate"], scores["serving"]
+    passed, reasons, metrics = True, [], {}
+    if why is None:
+        preference = _preference(ours, theirs, config, record)
+        passed, metrics = preference.passed, preference.metrics
+        reasons.append(preference.reason)
+    else:
+        record |= {"skipped": why, "n": 0}
+        reasons.append(f"preference not evaluated: {why}")
+        metrics["eval/n"] = 0.0
+    if guard is not None:
+        checks = run_checks(ours["capability"], theirs["capability"], guard)
+        held = failed_checks(checks)
+        record |= {
+            "checks": [asdict(check) for check in checks],
+            "capability": {"candidate": ours.pop("capability"), "serving": theirs.pop("capability")},
+        }
+        metrics |= {f"guard/{check.name}": check.value for check in checks} | {"guard/passed": float(held is None)}
+        if held is not None:
+            passed = False
+            reasons.insert(0, held)
+        else:
+            reasons.append(f"capability guard passed ({len(checks)} checks)")
+    record |= {"passed": passed, "candidate": ours, "serving": theirs}
+    return Evaluation(passed, "; ".join(reasons), record, metrics)
+
+
+def _preference(ours: dict[str, Any], theirs: dict[str, Any], config: EvalConfig, record: dict[str, Any]) -> Evaluation:
+    """The margin between the two versions' preference scores (``record`` gets the scores)."""
     n = int(ours["n"])
-    decision = decide(ours["score"], theirs["score"], config.margin, method=method.name, n=n)
-    record |= {
-        "passed": decision.passed,
-        "score": ours["score"],
-        "serving_score": theirs["score"],
-        "n": n,
-        "candidate": ours,
-        "serving": theirs,
-    }
+    decision = decide(ours["score"], theirs["score"], config.margin, method=config.method.name, n=n)
+    record |= {"score": ours["score"], "serving_score": theirs["score"], "n": n}
     metrics = {
         "eval/score": ours["score"],
         "eval/serving_score": theirs["score"],
@@ -112,4 +141,4 @@ def evaluate_candidate(
         "eval/n": float(n),
         "eval/passed": float(decision.passed),
     }
-    return Evaluation(decision.passed, decision.reason, record, metrics)
+    return Evaluation(decision.passed, decision.reason, {}, metrics)

@@ -40,6 +40,7 @@ __all__ = [
     "forward_logits",
     "refuse_if_not_finite",
     "response_log_probs",
+    "response_scores",
     "train_step",
 ]
 
@@ -77,11 +78,28 @@ def compute_log_probs_and_entropy(model: nn.Module, batch: PackedMicroBatch) -> 
 def response_log_probs(model: nn.Module, samples: Sequence[Sample], max_tokens_per_micro_batch: int) -> list[Tensor]:
     """Each sample's ``[response_length]`` log-probs under ``model`` (no gradient), e.g. PPO's old log-probs
     computed once before several optimizer steps on the same samples."""
-    result: list[Tensor | None] = [None] * len(samples)
+    return [lp for lp, _ in response_scores(model, samples, max_tokens_per_micro_batch, with_entropy=False)]
+
+
+@torch.no_grad()
+def response_scores(
+    model: nn.Module, samples: Sequence[Sample], max_tokens_per_micro_batch: int, *, with_entropy: bool = True
+) -> list[tuple[Tensor, Tensor]]:
+    """Each sample's ``[response_length]`` log-probs and entropies under ``model`` (zeros without
+    ``with_entropy``), no gradient: the drift guard's probe of a policy on its batch."""
+    result: list[tuple[Tensor, Tensor] | None] = [None] * len(samples)
     for micro_batch in pack_samples(samples, max_tokens_per_micro_batch):
-        log_probs = compute_log_probs(model, collate_micro_batch(samples, micro_batch)).cpu()
+        batch = collate_micro_batch(samples, micro_batch)
+        logits = forward_logits(model, batch)
+        if with_entropy:
+            log_probs, entropy = token_log_probs_and_entropy(logits, batch)
+        else:
+            log_probs = token_log_probs(logits, batch)
+            entropy = torch.zeros_like(log_probs)
+        log_probs, entropy = log_probs.cpu(), entropy.cpu()
         for index, (start, end) in zip(micro_batch.sample_indices, micro_batch.bounds(), strict=True):
-            result[index] = log_probs[start + samples[index].prompt_length : end]
+            span = slice(start + samples[index].prompt_length, end)
+            result[index] = (log_probs[span], entropy[span])
     return [r for r in result if r is not None]
 
 

@@ -33,12 +33,13 @@ if TYPE_CHECKING:
 from learner.child_process import run_child, write_outcome
 from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_adapter, export_checkpoint
-from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, train_step
+from learner.trainers.drift import DriftWatch, PolicyDrifted
+from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, response_scores, train_step
 from learner.training_request import AdapterSpec, TrainingRequest
 
 __all__ = ["FailureKind", "TrainingOutcome", "load_for_training", "reference_model", "run_training_child"]
 
-FailureKind = Literal["diverged", "error", "crashed", "timeout"]
+FailureKind = Literal["diverged", "drifted", "error", "crashed", "timeout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,7 @@ def _train(
     evaluate = _periodic_eval(request)
     if evaluate is not None:
         evaluations.append(evaluate(policy, 0))
+    drift = _drift_probe(request, policy, ref_model)
     for step in range(1, request.num_steps + 1):
         metrics.append(
             train_step(
@@ -181,6 +183,8 @@ def _train(
                 advantages=advantages,
             )
         )
+        if drift is not None:
+            metrics[-1] |= drift(policy, step, metrics[-1]["grad_norm"])
         if evaluate is not None and step % request.eval_every == 0:
             evaluations.append(evaluate(policy, step))
     if request.adapter is not None:
@@ -188,6 +192,45 @@ def _train(
     return export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
     )
+
+
+def _drift_probe(
+    request: TrainingRequest, policy: torch.nn.Module, ref_model: torch.nn.Module | None
+) -> Callable[[torch.nn.Module, int, float], dict[str, float]] | None:
+    """After each step: the policy probed on its batch against the lineage root (``learner.trainers.drift``).
+
+    The root's log-probs and entropy are taken once, here: from the KL loss's reference when loaded,
+    from the base under a disabled adapter, from the policy itself when the serving checkpoint is
+    the root, else from the root loaded for the probe and freed.
+    """
+    if request.drift is None or not request.drift.on:
+        return None
+    samples, budget = list(request.samples), request.config.max_tokens_per_micro_batch
+    root_dir = request.reference_model_dir
+    if ref_model is not None:
+        root = response_scores(ref_model, samples, budget)
+    elif request.adapter is not None:
+        with policy.disable_adapter():  # type: ignore[operator]  # a PeftModel's
+            root = response_scores(policy, samples, budget)
+    elif root_dir is None or root_dir.resolve() == request.base_model_dir.resolve():
+        root = response_scores(policy, samples, budget)
+    else:
+        loaded = load_for_training(root_dir, request.device).eval()
+        root = response_scores(loaded, samples, budget)
+        del loaded
+    root_log_probs = torch.cat([lp for lp, _ in root])
+    watch = DriftWatch(request.drift, root_entropy=float(torch.cat([e for _, e in root]).mean()))
+
+    def probe(model: torch.nn.Module, step: int, grad_norm: float) -> dict[str, float]:
+        scores = response_scores(model, samples, budget)
+        own = torch.cat([lp for lp, _ in scores]).double()
+        r = (root_log_probs.double() - own).clamp(max=50.0)  # k3: exp(r) - 1 - r, r = log p_root - log p_policy
+        kl = float((r.exp() - 1 - r).mean())
+        return watch.step(
+            step, kl_to_root=kl, entropy=float(torch.cat([e for _, e in scores]).mean()), grad_norm=grad_norm
+        )
+
+    return probe
 
 
 def load_for_training(path: Path, device: str) -> PreTrainedModel:
@@ -236,6 +279,8 @@ def main(argv: list[str]) -> int:
         outcome = TrainingOutcome(
             "succeeded", checkpoint=checkpoint, metrics=tuple(metrics), evaluations=tuple(evaluations)
         )
+    except PolicyDrifted as exc:
+        outcome = TrainingOutcome("failed", metrics=tuple(metrics), error=f"PolicyDrifted: {exc}", failure="drifted")
     except TrainingDiverged as exc:
         outcome = TrainingOutcome(
             "failed", metrics=tuple(metrics), error=f"TrainingDiverged: {exc}", failure="diverged"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -153,6 +153,19 @@ def learn_command(
         f"round {result.round_id}: {result.samples} samples, {rewards}, {outcome}",
         soft_wrap=True,  # one line, whatever the terminal width
     )
+    if "guard/passed" in result.metrics:
+        console.print(_guard_line(result.metrics), soft_wrap=True)
+
+
+def _guard_line(metrics: dict[str, Any]) -> str:
+    """The capability guard's measurements of the round's candidate (bounds: docs/evaluation.md)."""
+    values = ", ".join(
+        f"{name.removeprefix('guard/')} {value:.3f}"
+        for name, value in metrics.items()
+        if name.startswith("guard/") and name != "guard/passed"
+    )
+    verdict = "passed" if metrics["guard/passed"] else "held it back"
+    return f"capability guard {verdict}: {values}"
 
 
 def _personal_round(config: PersonalRoundConfig) -> None:
@@ -164,7 +177,8 @@ def _personal_round(config: PersonalRoundConfig) -> None:
         def on_scope(result: ScopeResult) -> None:
             line = f"{result.scope_kind} {result.tenant_id}/{result.scope}: {result.status}"
             detail = f" adapter {result.adapter_id}, {result.samples} samples, {result.seconds:.1f} s"
-            console.print(line + (detail if result.adapter_id else f" {result.error or ''}"), soft_wrap=True)
+            why = f": {result.error}" if result.status == "held_back" else ""
+            console.print(line + (detail + why if result.adapter_id else f" {result.error or ''}"), soft_wrap=True)
             status.update("training the next scope")
 
         try:

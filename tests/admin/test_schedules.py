@@ -15,6 +15,8 @@ import torch
 
 from learner.celery_app import LEARN
 from storage.audit import list_admin_actions
+from storage.db import make_engine, make_session_factory
+from storage.schedules import pause_schedule
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.learner_queue import REDIS, redis_prefix, sent_tasks
@@ -23,6 +25,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ACTOR = "admin:" + hashlib.sha256(ADMIN_KEY.encode()).hexdigest()[:12]
 FIELDS = {"name", "kind", "cron", "interval_s", "min_feedback", "quiet_start", "quiet_end", "timezone"}
 FIELDS |= {"round_settings", "enabled", "id", "created_at", "updated_at", "next_fire_at", "last_fired_at"}
+FIELDS |= {"paused_reason", "paused_at"}
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +235,17 @@ def test_run_now_sends_the_schedules_round_settings(gateway: Gateway, prefix: st
     shown = admin(gateway, "GET", f"/admin/schedules/{schedule['id']}").json()
     assert shown["last_fired_at"] is not None and shown["enabled"] is False
     assert audit(gateway, schedule["id"]) == [("schedule.create", 201), ("schedule.run", 202)]
+
+
+def test_a_schedule_the_drift_guard_paused_shows_why_and_enable_resumes_it(gateway: Gateway) -> None:
+    schedule_id = create(gateway, name="drifts", kind="interval", interval_s=600)["id"]
+    engine = make_engine(gateway.settings.resolved_database_url)
+    with make_session_factory(engine).begin() as session:  # what a drifted round does (learner.round)
+        pause_schedule(session, schedule_id, "round r9: training drifted: step 1: KL to the lineage root 2.0 > 1")
+    engine.dispose()
+    shown = admin(gateway, "GET", f"/admin/schedules/{schedule_id}").json()
+    assert shown["enabled"] is False and shown["next_fire_at"] is None
+    assert shown["paused_reason"].startswith("round r9: training drifted")
+    assert parse(shown["paused_at"]) <= datetime.now(UTC)
+    resumed = admin(gateway, "POST", f"/admin/schedules/{schedule_id}/enable").json()
+    assert resumed["enabled"] is True and resumed["paused_reason"] is None and resumed["paused_at"] is None

@@ -24,6 +24,7 @@ from storage.schedules import (
     last_fired_at,
     list_firings,
     list_schedules,
+    pause_schedule,
     release_slot,
     update_schedule,
 )
@@ -165,3 +166,20 @@ def test_a_round_names_the_schedule_that_fired_it_and_outlives_it(engine: Engine
         finish_round(session, round_id=started.id, status="failed", error="test")
     with sessions() as session:
         assert get_round(session, round_id=started.id).schedule_id == schedule.id
+
+
+def test_a_paused_schedule_says_why_until_it_is_enabled_again(engine: Engine) -> None:
+    sessions = make_session_factory(engine)
+    at = datetime(2026, 12, 6, 4, 0, tzinfo=UTC)
+    with sessions.begin() as session:
+        created = create_schedule(session, fields())
+        paused = pause_schedule(session, created.id, "round r1: drift guard: KL 2.1 > 1", now=at)
+    assert (paused.enabled, paused.paused_reason, paused.paused_at) == (False, "round r1: drift guard: KL 2.1 > 1", at)
+    with sessions.begin() as session:
+        assert get_schedule(session, created.id).paused_reason is not None  # survives a reread
+        update_schedule(session, created.id, {"name": "renamed"})  # other edits keep the pause
+        assert get_schedule(session, created.id).paused_reason is not None
+        resumed = update_schedule(session, created.id, {"enabled": True})
+    assert (resumed.enabled, resumed.paused_reason, resumed.paused_at) == (True, None, None)
+    with sessions.begin() as session, pytest.raises(NotFoundError):
+        pause_schedule(session, "no-such-schedule", "why")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from learner.trainers import weights_sha256
+from learner.trainers.drift import DriftConfig
 from learner.training import TrainingOutcome, TrainingRequest, run_training_child
 from server.engines.local.weights import read_state_dict
 from tests.learner.fault_plugins import CRASH, HANG
@@ -38,6 +39,8 @@ def outcomes(
         "exit": replace(base, out_dir=out / "exit", config=replace(base.config, custom_loss_path=CRASH)),
         "missing": replace(base, out_dir=out / "missing", base_model_dir=out / "no-such-model"),
         "nan": replace(base, out_dir=out / "nan", learning_rate=1e30, num_steps=3),
+        "watched": replace(base, out_dir=out / "watched", drift=DriftConfig()),
+        "drifting": replace(base, out_dir=out / "drifting", drift=DriftConfig(max_kl=1e-4)),
         "timeout": replace(
             base, out_dir=out / "timeout", config=replace(base.config, custom_loss_path=HANG), timeout_s=4
         ),
@@ -94,3 +97,19 @@ def test_request_round_trips_through_json_and_is_validated(outcomes: dict) -> No
         replace(request, samples=(), num_steps=0)
     with pytest.raises(ValueError, match="failed run"):
         TrainingOutcome("failed")
+
+
+def test_the_drift_guard_probes_every_step_and_lets_a_moderate_round_export(outcomes: dict) -> None:
+    _, outcome = outcomes["watched"]
+    assert outcome.status == "succeeded", outcome.error
+    first, second = outcome.metrics
+    assert 0 < first["drift/kl_to_root"] < second["drift/kl_to_root"] < 1.0  # steps move away from the root
+    assert 0.5 < second["drift/entropy_ratio"] < 1.5
+
+
+def test_a_round_past_a_drift_bound_stops_before_export(outcomes: dict) -> None:
+    request, outcome = outcomes["drifting"]
+    assert outcome.status == "failed" and outcome.failure == "drifted" and outcome.checkpoint is None
+    assert outcome.error.startswith("PolicyDrifted: step 1: KL to the lineage root ")
+    assert "> 0.0001 per token" in outcome.error
+    assert not request.out_dir.exists()
