@@ -186,6 +186,19 @@ class UserDataDeletion(BaseModel):
     counts: dict[str, int] = Field(description="Rows deleted, by kind")
 
 
+class FlaggedUser(BaseModel):
+    object: Literal["flagged_user"]
+    tenant_id: str
+    user: str
+    reason: str | None
+    flagged_by: str = Field(description="The admin actor who flagged the user")
+    flagged_at: datetime
+
+
+class FlaggedUserList(ObjectList[FlaggedUser]):
+    """End users whose ratings train nothing."""
+
+
 class EngineReplicaList(ObjectList[EngineReplica]):
     """Every serving replica."""
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from learner.sample import Sample, SampleStatus
 from storage.feedback_collect import FeedbackItem
 
-__all__ = ["feedback_sample", "feedback_samples"]
+__all__ = ["feedback_sample", "feedback_samples", "learnable"]
 
 
 def feedback_samples(items: Iterable[FeedbackItem]) -> list[Sample]:
@@ -22,6 +22,13 @@ def feedback_samples(items: Iterable[FeedbackItem]) -> list[Sample]:
         group = groups.setdefault(tuple(item.prompt_token_ids), len(groups))
         samples.append(feedback_sample(item, index=index, group_index=group))
     return samples
+
+
+def learnable(samples: Iterable[Sample], flagged: frozenset[tuple[str, str]]) -> list[Sample]:
+    """The samples with an answer to learn from, less those of users an admin flagged (``(tenant, user)``)."""
+    return [
+        s for s in samples if s.response_length > 0 and (s.metadata.get("tenant_id"), s.user_id or "") not in flagged
+    ]
 
 
 def feedback_sample(item: FeedbackItem, *, index: int | None = None, group_index: int | None = None) -> Sample:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from learner.collect import feedback_samples
+from learner.collect import feedback_samples, learnable
 from learner.evaluation.stage import Evaluation, evaluate_candidate, held_out_answers, load_eval_set, trainable
 from learner.round_config import RoundConfig, RoundError
 from learner.round_rewards import RoundRewards
@@ -54,6 +54,7 @@ from storage import (
     record_adapter,
     set_adapter_status,
 )
+from storage.flagged_users import flagged_users
 
 __all__ = ["PersonalRoundConfig", "PersonalRoundResult", "ScopeResult", "run_personal_round"]
 
@@ -242,7 +243,8 @@ class _PersonalRound:
                 end_users=scope.users,
                 max_age=base.max_age,
             )
-        rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+            flagged = flagged_users(session)
+        rated = learnable(feedback_samples(batch.items), flagged)
         samples = trainable(rated, base.evaluation)
         prepared = _Prepared(scope, parent, f"ad-{uuid.uuid4().hex[:12]}", samples, batch.watermark, started)
         if not samples:

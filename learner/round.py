@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from learner.collect import feedback_samples
+from learner.collect import feedback_samples, learnable
 from learner.debug_batch import save_batch
 from learner.evaluation.scoring import unscorable
 from learner.evaluation.stage import held_out_answers, load_eval_set, trainable
@@ -46,6 +46,7 @@ from learner.sample import Sample
 from learner.server_api import ServerApi
 from learner.trainers.drift import length_change
 from learner.training import TrainingRequest, run_training_child
+from learner.user_weights import user_weights
 from storage import (
     RoundBusyError,
     collect_feedback,
@@ -56,6 +57,7 @@ from storage import (
     make_session_factory,
     start_round,
 )
+from storage.flagged_users import flagged_users
 from storage.schedules import pause_schedule
 
 __all__ = ["STAGES", "RoundConfig", "RoundError", "RoundResult", "run_round"]
@@ -136,6 +138,7 @@ class _Round:
         rewards = self.rewards()
         with self.timer("reward"):
             advantages = rewards.feedback_advantages(self.samples)
+            weights = user_weights(self.samples, self.config.user_weighting)  # the ratings' rewards are set now
             score = rewards.fresh_scorer()
         if score is not None:
             with self.timer("rollout"):
@@ -144,6 +147,9 @@ class _Round:
             if not self.samples:  # every group's rewards were equal: nothing in this data to learn
                 self.finish(status="succeeded", watermark_to=self.watermark, metrics=self.metrics)
                 return self.result("nothing_to_learn")
+        # A rollout carries its rated prompt's user: a user's weight scales their whole group.
+        advantages = [a * weights.of(s) for s, a in zip(self.samples, advantages, strict=True)]
+        self.metrics |= weights.metrics()
         self.refuse_length_drift()
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
@@ -203,8 +209,11 @@ class _Round:
                 end_user=config.end_user,
                 max_age=config.max_age,
             )
+            flagged = flagged_users(session)
         self.watermark = batch.watermark
-        rated = [s for s in feedback_samples(batch.items) if s.response_length > 0]
+        answered = feedback_samples(batch.items)
+        rated = learnable(answered, flagged)
+        self.metrics["flagged_excluded"] = sum(1 for s in answered if s.response_length > 0) - len(rated)
         self.samples = trainable(rated, config.evaluation)
         if config.evaluation.holds_out:
             self.metrics["eval/held_out"] = len(rated) - len(self.samples)

@@ -20,6 +20,7 @@ from learner.rollout import RolloutConfig
 from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from learner.trainers.drift import DriftConfig
+from learner.user_weights import UserWeighting
 
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
@@ -111,6 +112,7 @@ class RoundConfig:
     train_timeout_s: float = 3600.0
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     drift: DriftConfig = field(default_factory=DriftConfig)  # learner.trainers.drift (torch backend)
+    user_weighting: UserWeighting = field(default_factory=UserWeighting)  # learner.user_weights
     # metrics, debugging and plumbing
     metrics: RoundMetricsConfig | None = None  # TensorBoard / W&B; None: only the round's row
     mode: RoundMode = "train"
@@ -177,6 +179,7 @@ class RoundConfig:
             "mode": self.mode,
             "evaluation": self.evaluation.summary(),
             "drift_guard": self.drift.guard,
+            "max_user_share": self.user_weighting.max_user_share,
         }
 
 

@@ -16,6 +16,7 @@ from learner.round_metrics import RoundMetricsConfig
 from learner.trainers import TrainConfig
 from learner.trainers.drift import DriftConfig
 from learner.training_request import AdapterSpec
+from learner.user_weights import UserWeighting
 from tandem.settings import Settings
 
 __all__ = ["check_learner_settings", "eval_config", "round_config", "train_config"]
@@ -126,6 +127,12 @@ def round_config(
             min_entropy_ratio=settings.learner.drift_min_entropy_ratio,
             grad_spike=settings.learner.drift_grad_spike,
             max_length_change=settings.learner.drift_max_length_change,
+        ),
+        user_weighting=UserWeighting(
+            max_user_share=settings.learner.max_user_share,
+            min_agreement=settings.learner.min_agreement,
+            min_shared_prompts=settings.learner.min_shared_prompts,
+            disagreeing_weight=settings.learner.disagreeing_weight,
         ),
     )
 

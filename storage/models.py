@@ -77,6 +77,18 @@ class RateLimit(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class FlaggedUser(Base):
+    """An end user an admin excluded from learning (storage/flagged_users.py); not needing to have chatted."""
+
+    __tablename__ = "flagged_users"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    user_id: Mapped[str] = mapped_column(NulSafeString(256), primary_key=True)
+    reason: Mapped[str | None] = mapped_column(NulSafeText())
+    flagged_by: Mapped[str] = mapped_column(String(64))
+    flagged_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class EndUser(Base):
     __tablename__ = "end_users"
     __table_args__ = (UniqueConstraint("tenant_id", "external_id"),)

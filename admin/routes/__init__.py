@@ -4,12 +4,40 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from admin.routes import adapters, audit, engines, keys, limits, runs, schedules, stats, tenants, ui, users, versions
+from admin.routes import (
+    adapters,
+    audit,
+    engines,
+    flagged_users,
+    keys,
+    limits,
+    runs,
+    schedules,
+    stats,
+    tenants,
+    ui,
+    users,
+    versions,
+)
 from server.routes.deps import refuse_nul_in_url
 
 __all__ = ["router"]
 
 # Every route refuses NUL in its path and query values (server.routes.deps.refuse_nul_in_url).
 router = APIRouter(dependencies=[Depends(refuse_nul_in_url)])
-for module in (runs, versions, adapters, schedules, audit, engines, keys, tenants, limits, users, stats, ui):
+for module in (
+    runs,
+    versions,
+    adapters,
+    schedules,
+    audit,
+    engines,
+    keys,
+    tenants,
+    limits,
+    users,
+    flagged_users,
+    stats,
+    ui,
+):
     router.include_router(module.router)

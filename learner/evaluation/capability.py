@@ -4,14 +4,15 @@
 
 - ``reference_loglik``: the mean log-probability per token of the capability set's reference answers,
   teacher forced (a model that forgot how to answer plain questions loses likelihood on them);
-- the degeneration statistics (``learner.evaluation.degeneration``) of its greedy answers to the
-  capability prompts and to a few held-out user prompts;
-- answers sampled at temperature 1 to the capability prompts with their log-probs, for
-  ``kl_to_root``: the lineage root scores the candidate's samples and the mean per-token k3
-  estimate ``exp(r) - 1 - r``, ``r = log p_root - log p_candidate``, estimates KL(candidate || root)
-  (unbiased and never negative; the samples must come from the candidate).
+- the degeneration statistics (``learner.evaluation.degeneration``) of its answers to the capability
+  prompts and to a few held-out user prompts, sampled at temperature 1 with the same seed for every
+  model compared (sampled, not greedy: greedy answers of a model full of near-ties flip at the
+  smallest change, while a collapsed policy loops and echoes even when sampled);
+- those answers with their log-probs, for ``kl_to_root``: the lineage root scores the candidate's
+  answers, and the mean per-token k3 estimate ``exp(r) - 1 - r``, ``r = log p_root - log p_candidate``,
+  estimates KL(candidate || root) (unbiased and never negative: the answers come from the candidate).
 
-Generation is one left-padded batch per kind, so a model's measurement costs about one answer's time.
+Generation is one left-padded batch, so a model's measurement costs about one answer's time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from learner.trainers.torch_backend import response_log_probs
 __all__ = ["kl_to_root", "measure"]
 
 MAX_TOKENS_PER_MICRO_BATCH = 4096
-EXAMPLES = 4  # greedy answers kept on the record, for a person reading why a version was held back
+EXAMPLES = 4  # answers kept on the record, for a person reading why a version was held back
 
 
 @torch.no_grad()
@@ -53,14 +54,11 @@ def measure(
     reference_loglik = float(sum(float(lp.sum()) for lp in log_probs) / max(tokens, 1))
 
     asked = _distinct_prompts([*references, *[tokenized(s, tokenizer) for s in user_prompts][: config.user_prompts]])
-    greedy = _generate(model, tokenizer, asked, config.max_tokens, sample=False, seed=config.seed)
-    texts = [str(tokenizer.decode(ids, skip_special_tokens=True)) for ids in greedy]
+    sampled = _sample(model, tokenizer, asked, config.max_tokens, seed=config.seed)
+    texts = [str(tokenizer.decode(ids, skip_special_tokens=True)) for ids in sampled]
     questions = [_question(s) for s in asked]
-    stats = answer_stats(questions, texts, greedy)
-
-    prompts = _distinct_prompts(references)
-    sampled = _generate(model, tokenizer, prompts, config.max_tokens, sample=True, seed=config.seed)
-    kl_samples = [replace(p, response_token_ids=ids, response="") for p, ids in zip(prompts, sampled, strict=True)]
+    stats = answer_stats(questions, texts, sampled)
+    kl_samples = [replace(p, response_token_ids=ids, response="") for p, ids in zip(asked, sampled, strict=True)]
     kl_samples = [s for s in kl_samples if s.response_token_ids]
     own = response_log_probs(model, kl_samples, MAX_TOKENS_PER_MICRO_BATCH)
     kl_samples = [replace(s, rollout_log_probs=lp.tolist()) for s, lp in zip(kl_samples, own, strict=True)]
@@ -98,16 +96,11 @@ def _question(sample: Sample) -> str:
     return str(users[-1]) if users and isinstance(users[-1], str) else ""
 
 
-def _generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[Sample],
-    max_tokens: int,
-    *,
-    sample: bool,
-    seed: int,
+def _sample(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sample], max_tokens: int, *, seed: int
 ) -> list[list[int]]:
-    """Every prompt's answer ids (up to and including the stop token), in one left-padded batch."""
+    """Every prompt's answer ids sampled at temperature 1 (up to and including the stop token), in one
+    left-padded batch; the same ``seed`` for every model compared, so near-equal models draw near-equal answers."""
     stops = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
     width = max(len(p.prompt_token_ids) for p in prompts)
@@ -117,15 +110,16 @@ def _generate(
         [[0] * (width - len(p.prompt_token_ids)) + [1] * len(p.prompt_token_ids) for p in prompts], device=device
     )
     torch.manual_seed(seed)
-    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}
     # mypy reads ``generate`` through nn.Module's __getattr__ (a Tensor); it is GenerationMixin's.
     rows = model.generate(  # type: ignore[operator]
         input_ids=ids,
         attention_mask=mask,
-        do_sample=sample,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
         max_new_tokens=max_tokens,
         pad_token_id=pad,
         eos_token_id=sorted(stops) or None,
-        **sampling,
     )[:, width:].tolist()
     return [row[: next((k + 1 for k, token in enumerate(row) if token in stops), len(row))] for row in rows]

@@ -2,7 +2,7 @@
 
 Every candidate (a base version or an adapter) is measured, next to the version it would replace, on
 the capability set (prompts with reference answers, ``capability_set.jsonl`` unless the operator
-gives one) and on fresh greedy answers to held-out user prompts (``learner.evaluation.capability``).
+gives one) and on fresh sampled answers to held-out user prompts (``learner.evaluation.capability``).
 ``run_checks`` turns those measurements into checks, each with its value, bound and verdict; one
 failed check holds the candidate back, and its reason names the check.
 

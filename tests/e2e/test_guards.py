@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -65,8 +66,12 @@ def test_a_reward_for_short_answers_is_hacked_and_the_guard_holds_the_candidate_
     assert result.status == "held_back", (result.status, result.error)
     reason = result.metrics["eval/reason"]
     assert reason.startswith("held back by the capability guard: ")
-    assert "length_ratio" in reason  # the policy learnt to stop at once
-    assert result.metrics["guard/length_ratio"] < GUARD.min_length_ratio
+    # Four steps at a high rate on a reward blind to content: the policy left the root far behind
+    # (measured: KL 1.86 per token, bound 0.5) and lost 0.96 nats per token on the reference answers
+    # (bound 0.3). The random model's answers were gibberish before and stay so: no degeneration
+    # check can see this collapse, the KL and the reference answers do.
+    assert "kl_to_root" in reason and "reference_loglik" in reason
+    assert result.metrics["guard/kl_to_root"] > 2 * GUARD.max_kl
     assert serving(gateway)["weight_version"] == before  # nothing collapsed reached the users
 
 
@@ -74,6 +79,8 @@ def test_a_taste_that_keeps_answers_whole_passes_the_guard(gateway: Gateway, tmp
     result = rollout_round(gateway, tmp_path, "tests.e2e.guard_rewards:one_letter", 1e-2, 1)
     assert result.status == "succeeded", (result.status, result.error, result.metrics.get("eval/reason"))
     assert result.metrics["guard/passed"] == 1.0
+    # It moved (measured KL 0.016 per token, reference answers -7.628 against -7.625), far inside the bounds.
+    assert 0 < result.metrics["guard/kl_to_root"] < GUARD.max_kl / 10
     assert result.metrics["eval/reason"].endswith("capability guard passed (8 checks)")
     assert serving(gateway)["weight_version"] == result.version_id
 
@@ -118,3 +125,25 @@ def test_a_drifting_round_stops_before_export_and_pauses_its_schedule(gateway: G
     assert paused.paused_reason.startswith(f"round {result.round_id}: training drifted")
     assert row.status == "failed" and row.watermark_to is None and row.produced_version_id is None
     assert not list((tmp_path / "checkpoints").glob("v*"))  # stopped before export
+
+
+def test_a_flagged_user_trains_nothing_and_a_heavy_rater_counts_as_much_as_the_others(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    flagged = httpx.put(
+        f"{gateway.url}/admin/users/mallory/flag",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        params={"tenant": "e2e"},
+        json={"reason": "rates to steer the model"},
+    )
+    assert flagged.status_code == 200, flagged.text
+    chat_and_rate(gateway, [(q, "up") for q in QUESTIONS * 2], user="heavy")
+    chat_and_rate(gateway, [(QUESTIONS[0], "down"), (QUESTIONS[1], "up")], user="alice")
+    chat_and_rate(gateway, [(QUESTIONS[2], "down"), (QUESTIONS[3], "up")], user="bob")
+    chat_and_rate(gateway, [(q, "up") for q in QUESTIONS[:4]], user="mallory")
+    result = run_round(round_config(gateway, tmp_path, drift=UNWATCHED))
+    assert result.status == "succeeded", result.error
+    assert result.samples == 16 + 2 + 2 and result.metrics["flagged_excluded"] == 4
+    # Three users, so each may weigh a third: heavy's 16 answers count as 2, like alice's and bob's.
+    assert result.metrics["users"] == 3 and result.metrics["users/capped"] == 1
+    assert result.metrics["users/weight_min"] == pytest.approx(2 / 16)
