@@ -404,7 +404,7 @@ async function loadSchedules() {
         td(el("strong", { text: s.name })),
         td(fmtWhen(s)),
         td(quiet),
-        td(badge(s.enabled ? "enabled" : "disabled")),
+        td(pausedOrNot(s)),
         td(next),
         td(fmtTime(s.last_fired_at)),
         td(
@@ -420,6 +420,17 @@ async function loadSchedules() {
     }),
     7,
     "No schedules yet.",
+  );
+}
+
+// A schedule the drift guard paused says why; enabling it is the resume (docs/evaluation.md).
+function pausedOrNot(schedule) {
+  if (schedule.enabled || !schedule.paused_reason) return badge(schedule.enabled ? "enabled" : "disabled");
+  return el(
+    "span",
+    {},
+    badge("paused", "disabled"),
+    el("div", { class: "muted small paused-reason", text: `${schedule.paused_reason} (${fmtTime(schedule.paused_at)})` }),
   );
 }
 

@@ -22,8 +22,9 @@ import pytest
 import torch
 from playwright.sync_api import Browser, Locator, Page, expect
 
-from storage.model_versions import record_model_version
+from storage.model_versions import record_model_version, set_version_status
 from storage.rounds import finish_round, start_round
+from storage.schedules import create_schedule, pause_schedule
 from tests.fixtures.tiny_model import perturb_weights, tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.support.chromium import artifact_dir, chromium
@@ -351,3 +352,36 @@ def test_create_disable_and_run_a_schedule_from_the_page(page: Page, gateway: Ga
     assert fired is not None
     expect(nightly_row).to_contain_text(utc_text(fired), timeout=WAIT_MS)
     shot(page, "05-schedules")
+
+
+def test_the_guards_verdicts_show_on_the_page(page: Page, gateway: Gateway, seed: Seed) -> None:
+    """A held-back version opens its capability checks; a schedule the drift guard paused says why."""
+    checks = [
+        {"name": "kl_to_root", "value": 1.86, "bound": 0.5, "passed": False, "serving": None, "rule": "must be <="},
+        {"name": "echo_rate", "value": 0.0, "bound": 0.1, "passed": True, "serving": 0.0, "rule": "must be <="},
+    ]
+    schedule_fields = {"kind": "interval", "cron": None, "interval_s": 3600, "min_feedback": None}
+    schedule_fields |= {"quiet_start": None, "quiet_end": None, "timezone": "UTC", "round_settings": {}}
+    with gateway.sessions().begin() as session:
+        set_version_status(
+            session,
+            version_id=seed.v3,
+            status="candidate",
+            reason="held back by the capability guard: kl_to_root 1.860 (must be <= 0.500)",
+            evaluation={"checks": checks},
+        )
+        paused = create_schedule(session, {"name": "drifting-hourly", "enabled": True, **schedule_fields})
+        pause_schedule(session, paused.id, "round r7: training drifted: step 2: KL to the lineage root 1.2 > 1")
+    sign_in(page, gateway)
+    version = row(page, "model-rows", seed.v3)
+    expect(version).to_contain_text("guard: 1 of 2 checks failed", timeout=WAIT_MS)
+    version.locator("details.guard summary").click()
+    failed = version.locator("table.checks tr.failed")
+    expect(failed).to_have_count(1)
+    expect(failed).to_contain_text(re.compile(r"kl_to_root\s*1\.860\s*must be <= 0\.500"))
+    expect(version.locator("table.checks tr.passed")).to_contain_text("serving 0.000")
+    schedule = row(page, "schedule-rows", paused.id)
+    expect(schedule).to_contain_text("paused", timeout=WAIT_MS)
+    expect(schedule.locator(".paused-reason")).to_contain_text("training drifted: step 2")
+    expect(schedule.get_by_role("button", name="Enable")).to_be_visible()
+    shot(page, "06-guards")
