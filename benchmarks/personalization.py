@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         tenant = tenant_of(server.url)
         judges = tastes(args.taste)
         groups = {
-            name: Population.make(group.rates_by, size=args.users, seed=index + 10 * args.seed, prefix=name)
+            name: Population.make(group.rates_by, size=args.users, seed=index + 10 * (args.seed or 0), prefix=name)
             for index, (name, group) in enumerate(judges.items())
         }
         if args.scope == "cohort":
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     client,
                     model,
                     args.ratings,
-                    seed=100 * index + len(name) + 10_000 * args.seed,
+                    seed=100 * index + len(name) + 10_000 * (args.seed or 0),
                     max_tokens=args.max_tokens,
                 )
             started = time.perf_counter()
@@ -182,14 +182,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--target-modules", nargs="+", default=list(AdapterSpec().target_modules))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0, help="other users and other chats (the held-out questions stay)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="other users and other chats (the held-out questions stay)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-personal-") as workdir:
         result = run(args, Path(workdir))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"personalization_{Path(args.model).name}_{args.taste}_{args.scope}"
-    stem += f"_seed{args.seed}" if args.seed else ""
+    stem += "" if args.seed is None else f"_seed{args.seed}"
     (args.out / f"{stem}.json").write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, **result}))
     judges = tastes(args.taste)
     first = next(iter(judges))

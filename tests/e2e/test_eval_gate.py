@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from learner.debug_batch import load_batch
 from learner.evaluation import EvalConfig, EvalMethod, is_held_out
+from learner.evaluation.guard import GuardConfig
 from learner.round import run_round
 from learner.round_metrics import RoundMetricsConfig
 from storage import get_round, get_version
@@ -28,6 +29,8 @@ from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gate
 from tests.support.streaming_load import StreamingLoad
 
 HOLDOUT = 0.5  # half the prompts: enough held out and enough trained among a few questions
+# The preference margin alone: the capability guard has tests of its own (test_guards.py).
+NO_GUARD = GuardConfig(guard="off")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def test_held_out_prompts_only_evaluate_and_a_candidate_within_the_margin_is_rol
     chat_and_rate(gateway, [(q, rating) for q in questions for rating in ("up", "down")])
     # Generalisation of a random tiny model to unseen prompts goes either way: a wide margin lets
     # this candidate through, whatever its score (the rule itself: tests/learner/evaluation/test_gate.py).
-    evaluation = EvalConfig(holdout_fraction=HOLDOUT, margin=10.0, every_steps=1)
+    evaluation = EvalConfig(holdout_fraction=HOLDOUT, margin=10.0, every_steps=1, guard=NO_GUARD)
     config = round_config(
         gateway,
         tmp_path,
@@ -123,7 +126,7 @@ def test_a_worse_candidate_stays_a_candidate_and_serving_keeps_serving(gateway: 
     # The eval file calls good what users disliked and bad what they liked: training on the ratings
     # moves the candidate the wrong way on it, so it scores below the serving version.
     prompts = eval_file(tmp_path / "flipped.jsonl", rated, flip=True)
-    config = round_config(gateway, tmp_path, evaluation=EvalConfig(prompts_path=prompts, margin=0.0))
+    config = round_config(gateway, tmp_path, evaluation=EvalConfig(prompts_path=prompts, margin=0.0, guard=NO_GUARD))
     before = serving(gateway)
     with StreamingLoad(gateway.client(gateway.keys["e2e"]), gateway.model) as load:
         result = run_round(config)
@@ -154,7 +157,9 @@ def test_a_worse_candidate_stays_a_candidate_and_serving_keeps_serving(gateway: 
     config = round_config(
         gateway,
         tmp_path,
-        evaluation=EvalConfig(prompts_path=eval_file(tmp_path / "e.jsonl", rated, flip=False), margin=0.0),
+        evaluation=EvalConfig(
+            prompts_path=eval_file(tmp_path / "e.jsonl", rated, flip=False), margin=0.0, guard=NO_GUARD
+        ),
     )
     with StreamingLoad(gateway.client(gateway.keys["e2e"]), gateway.model) as load:
         passed = run_round(config)
@@ -172,7 +177,9 @@ def test_an_eval_function_scores_answers_both_versions_generate(gateway: Gateway
         fn_path="tests.learner.evaluation.eval_fns:response_length", temperature=0.9, max_tokens=6, samples_per_prompt=2
     )
     # Answer lengths differ by at most max_tokens: a margin of 6 always passes (this is about the path).
-    config = round_config(gateway, tmp_path, evaluation=EvalConfig(prompts_path=prompts, method=method, margin=6.0))
+    config = round_config(
+        gateway, tmp_path, evaluation=EvalConfig(prompts_path=prompts, method=method, margin=6.0, guard=NO_GUARD)
+    )
     result = run_round(config)
     assert result.status == "succeeded", result.error
     with gateway.sessions()() as session:
@@ -190,6 +197,7 @@ def test_tandem_learn_reads_the_eval_settings_and_reports_a_held_back_version(ga
         "TANDEM_DATA_DIR": str(tmp_path / "data"),
         "TANDEM_EVAL_PROMPTS": str(eval_file(tmp_path / "flipped.jsonl", rated, flip=True)),
         "TANDEM_EVAL_MARGIN": "0",
+        "TANDEM_EVAL_GUARD": "off",
     }
     args = ["learn", "--server", gateway.url, "--database-url", gateway.settings.resolved_database_url]
     args += ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--learning-rate", str(LEARNING_RATE), "--threads", "1"]
