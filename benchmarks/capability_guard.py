@@ -41,6 +41,7 @@ ADMIN_KEY = "capability-guard-admin"
 
 def one_run(args: argparse.Namespace, workdir: Path, *, guarded: bool) -> dict[str, Any]:
     preference = BrevityPreference()
+    workdir.mkdir(parents=True)
     server = serve(args.model, workdir, ADMIN_KEY, args.threads)
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, timeout=600)

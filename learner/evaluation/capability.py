@@ -58,7 +58,10 @@ def measure(
     texts = [str(tokenizer.decode(ids, skip_special_tokens=True)) for ids in sampled]
     questions = [_question(s) for s in asked]
     stats = answer_stats(questions, texts, sampled)
-    kl_samples = [replace(p, response_token_ids=ids, response="") for p, ids in zip(asked, sampled, strict=True)]
+    kl_samples = [  # a held-out prompt comes with its rated answer's log-probs and mask: not these answers'
+        replace(p, response_token_ids=ids, response="", rollout_log_probs=None, loss_mask=None, reward=None)
+        for p, ids in zip(asked, sampled, strict=True)
+    ]
     kl_samples = [s for s in kl_samples if s.response_token_ids]
     own = response_log_probs(model, kl_samples, MAX_TOKENS_PER_MICRO_BATCH)
     kl_samples = [replace(s, rollout_log_probs=lp.tolist()) for s, lp in zip(kl_samples, own, strict=True)]
