@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from server.response_models import ObjectList, ObjectPage, view_model
 from storage.adapters import AdapterView
 from storage.audit import AdminActionView
+from storage.canaries import CanaryView
 from storage.completions import CompletionView
 from storage.data_deletions import DeletionView
 from storage.model_versions import ModelVersionView
@@ -62,6 +63,7 @@ class RunSummary(BaseModel):
     model: str
     status: str
     trigger: str
+    schedule_id: str | None = Field(description="The schedule that fired it; null: none")
     base_version_id: str | None
     produced_version_id: str | None
     watermark_from: int | None
@@ -74,6 +76,7 @@ class RunSummary(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None = Field(description="The last line of the error")
+    reason: str | None = Field(description="Why a nothing_to_learn round could not change the model")
 
 
 class RunTimings(BaseModel):
@@ -160,6 +163,23 @@ class AdapterSwap(BaseModel):
 
 class AdapterReset(BaseModel):
     retired_adapter_id: str | None = Field(description="The adapter the scope served until now; null: none")
+
+
+Canary = view_model(
+    "Canary",
+    CanaryView,
+    "A candidate adapter serving a share of its scope until live ratings decide it.",
+    object=(Literal["canary"], ...),
+)
+
+
+class CanaryStarted(BaseModel):
+    canary: Canary  # type: ignore[valid-type]
+    superseded_canary_id: str | None = Field(description="The scope's canary this one ended; null: none ran")
+
+
+class CanaryList(ObjectList[Canary]):  # type: ignore[valid-type]
+    """Canaries, newest first."""
 
 
 class Cohort(BaseModel):

@@ -8,7 +8,9 @@ the server serves it to that scope from the next request on (docs/adapters.md).
     their adapter, ``learner.training.adapter_batch``), each continued from the scope's stored
     adapter, else fresh -> per scope: evaluate it against what serves the scope now, on the scope's
     held-out ratings (``learner.evaluation``, the base round's gate and margin) -> record it
-    -> promote it through the server, or keep it a candidate with the gate's reason (``held_back``)
+    -> promote it through the server, or keep it a candidate with the gate's reason (``held_back``);
+    with ``canary_share`` set, the server serves it to that share of the scope's sessions first and
+    its judge decides from their live ratings (``canary``, docs/adapters.md)
 
 When the base changes, an adapter trained over the old one stops serving (``server.adapter_directory``:
 its scope falls back to its cohort, tenant or the base) and the scope's next personal round
@@ -60,7 +62,7 @@ __all__ = ["PersonalRoundConfig", "PersonalRoundResult", "ScopeResult", "run_per
 
 log = logging.getLogger(__name__)
 
-ScopeStatus = Literal["succeeded", "held_back", "failed", "nothing_to_learn"]
+ScopeStatus = Literal["succeeded", "canary", "held_back", "failed", "nothing_to_learn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class PersonalRoundConfig:
     min_ratings: int = 8
     scope_kinds: tuple[Literal["user", "cohort"], ...] = ("user", "cohort")
     scopes_per_pass: int = 8  # adapters trained together in one child (1: one child per scope)
+    canary_share: float = 0.0  # > 0: a passing adapter serves this share of its scope first (a canary)
 
     def __post_init__(self) -> None:
         # A scope's adapter learns from its own rated answers; rollout rewards (reward model, judge,
@@ -85,6 +88,8 @@ class PersonalRoundConfig:
             )
         if self.min_ratings < 1 or self.num_steps < 1 or self.scopes_per_pass < 1 or not self.learning_rate > 0:
             raise ValueError("min_ratings, num_steps and scopes_per_pass must be >= 1 and learning_rate > 0")
+        if not 0 <= self.canary_share < 1:
+            raise ValueError(f"canary_share must be in [0, 1), not {self.canary_share}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,7 @@ class ScopeResult:
     samples: int = 0
     seconds: float = 0.0
     error: str | None = None
+    reason: str | None = None  # why it had nothing to learn
 
 
 @dataclass(slots=True, eq=False)
@@ -248,7 +254,7 @@ class _PersonalRound:
         samples = trainable(rated, base.evaluation)
         prepared = _Prepared(scope, parent, f"ad-{uuid.uuid4().hex[:12]}", samples, batch.watermark, started)
         if not samples:
-            return prepared.result("nothing_to_learn")
+            return prepared.result("nothing_to_learn", reason=f"none of {len(rated)} rated answers trainable")
         prepared.metrics["held_out"] = len(rated) - len(samples)
         rewards = RoundRewards(
             base, self.sessions, self.model, prepared.adapter_id, batch.watermark, self.base_dir, prepared.metrics
@@ -257,6 +263,8 @@ class _PersonalRound:
             advantages = rewards.feedback_advantages(samples)
         except (RoundError, RuntimeError, OSError, ValueError) as exc:
             return prepared.result("failed", samples=len(samples), error=f"{type(exc).__name__}: {exc}")
+        if not any(advantages):  # an adapter trained on them would equal its parent
+            return prepared.result("nothing_to_learn", samples=len(samples), reason="every advantage is zero")
         prepared.request = self._request(prepared, advantages)
         return prepared
 
@@ -339,10 +347,10 @@ class _PersonalRound:
                     )
             if evaluation is not None and not evaluation.passed:
                 return prepared.result("held_back", adapter_id=adapter_id, samples=samples, error=evaluation.reason)
-            self._promote(adapter_id)
+            status = self._serve(adapter_id)
         except (RoundError, RuntimeError, OSError, ValueError) as exc:  # EvalFailed is a RuntimeError
             return prepared.result("failed", samples=samples, error=f"{type(exc).__name__}: {exc}")
-        return prepared.result("succeeded", adapter_id=adapter_id, samples=samples)
+        return prepared.result(status, adapter_id=adapter_id, samples=samples)
 
     def _evaluate(
         self, scope: Scope, checkpoint: Path, parent: AdapterView | None, watermark: int
@@ -377,9 +385,14 @@ class _PersonalRound:
             num_threads=self.config.base.num_threads,
         )
 
-    def _promote(self, adapter_id: str) -> None:
+    def _serve(self, adapter_id: str) -> ScopeStatus:
+        """Promote the adapter, or start its canary; a refusal rejects it."""
         try:
+            if self.config.canary_share > 0:
+                self.server.start_canary(adapter_id, self.config.canary_share, reason="personal round")
+                return "canary"
             self.server.promote_adapter(adapter_id, reason="personal round")
+            return "succeeded"
         except RoundError as exc:
             with self.sessions.begin() as session:
                 set_adapter_status(session, adapter_id=adapter_id, status="rejected", reason=str(exc))

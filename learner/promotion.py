@@ -19,6 +19,7 @@ from learner.sample import Sample
 from learner.server_api import ServerApi
 from learner.trainers import weights_sha256
 from storage import record_model_version, set_version_status
+from storage.model_versions import VersionStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +77,21 @@ class Promotion:
         self._candidate(version_id, evaluation.reason, evaluation=evaluation.record)
         return evaluation.passed, evaluation.metrics | {"eval/reason": evaluation.reason}
 
-    def roll_out(self, checkpoint: Path, version_id: str) -> None:
-        """Serving it everywhere, through the server; a refusal rejects the version."""
+    def roll_out(self, checkpoint: Path, version_id: str, canary_share: float = 0.0) -> None:
+        """Serving it everywhere, through the server, or with ``canary_share`` first to that share of
+        sessions (a base canary, decided by live ratings). A refused rollout rejects the version; a
+        refused canary (no engine pool to split, say) leaves it a candidate an admin may promote."""
         try:
-            self.server.roll_out(str(checkpoint), version_id)
+            if canary_share > 0:
+                self.server.start_base_canary(version_id, canary_share, reason="learning round")
+            else:
+                self.server.roll_out(str(checkpoint), version_id)
         except RoundError as exc:
+            status: VersionStatus = "candidate" if canary_share > 0 else "rejected"
             with self.sessions.begin() as session:
-                set_version_status(session, version_id=version_id, status="rejected", reason=str(exc))
-            raise StageFailed(f"the server did not roll out {version_id}: {exc}") from exc
+                set_version_status(session, version_id=version_id, status=status, reason=str(exc))
+            what = "start a canary of" if canary_share > 0 else "roll out"
+            raise StageFailed(f"the server did not {what} {version_id}: {exc}") from exc
 
     def _candidate(self, version_id: str, reason: str, **values: Any) -> None:
         with self.sessions.begin() as session:

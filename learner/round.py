@@ -11,8 +11,10 @@
 
 Any failure after the lock is taken finishes the round ``failed`` with the error: the watermark does
 not move (the next round collects the same feedback again) and serving is untouched, because only
-the server changes weights and it is asked last. A round with no new feedback finishes at once as
-"nothing to learn", without training.
+the server changes weights and it is asked last. A round that cannot change the policy finishes as
+``nothing_to_learn`` with the reason, without training or a version: no new feedback, none of it
+trainable (held out, flagged users, no answer), every rollout group's rewards equal, or every
+advantage zero (a lone rating is its own baseline). Its data counts as consumed: the watermark moves.
 
 Rated answers to held-out prompts (``learner.evaluation.eval_set``) are dropped at collect and from
 the reward model's history: they only ever evaluate. A held-back round still moves the watermark:
@@ -133,8 +135,7 @@ class _Round:
         with self.timer("collect"):
             collected = self.collect()
         if not self.samples:
-            self.finish(status="succeeded", watermark_to=self.watermark, samples_collected=collected)
-            return self.result("nothing_to_learn")
+            return self.nothing_to_learn(self.untrainable(collected), collected)
         rewards = self.rewards()
         with self.timer("reward"):
             advantages = rewards.feedback_advantages(self.samples)
@@ -144,12 +145,17 @@ class _Round:
             with self.timer("rollout"):
                 batch = rewards.grouped(self.samples, score)
             self.samples, advantages = batch.samples, batch.advantages
-            if not self.samples:  # every group's rewards were equal: nothing in this data to learn
-                self.finish(status="succeeded", watermark_to=self.watermark, metrics=self.metrics)
-                return self.result("nothing_to_learn")
+            if not self.samples:
+                return self.nothing_to_learn("every rollout group's rewards were equal", collected)
         # A rollout carries its rated prompt's user: a user's weight scales their whole group.
         advantages = [a * weights.of(s) for s, a in zip(self.samples, advantages, strict=True)]
         self.metrics |= weights.metrics()
+        if not any(advantages):  # the policy loss and its gradient are zero: training would only copy
+            return self.nothing_to_learn(
+                f"every advantage is zero ({len(advantages)} samples): no answer was rated better or worse "
+                "than its baseline",
+                collected,
+            )
         self.refuse_length_drift()
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
@@ -180,9 +186,10 @@ class _Round:
                     num_threads=self.config.num_threads,
                 )
             self.metrics |= measured
+        canary = promote and self.config.canary_share > 0
         if promote:
             with self.timer("swap"):
-                promotion.roll_out(checkpoint, version_id)
+                promotion.roll_out(checkpoint, version_id, self.config.canary_share)
         self.metrics["seconds"] = self.timer.seconds
         self.finish(
             status="succeeded",
@@ -193,7 +200,8 @@ class _Round:
             produced_version_id=version_id,
         )
         self.write_metrics()
-        return self.result("succeeded" if promote else "held_back", version_id=version_id, checkpoint_path=checkpoint)
+        status = "canary" if canary else "succeeded" if promote else "held_back"
+        return self.result(status, version_id=version_id, checkpoint_path=checkpoint)
 
     # steps
 
@@ -341,6 +349,29 @@ class _Round:
                 for e in self.metrics["eval/training"]
             ]
             write_step_metrics(self.config.metrics, model=self.model, points=points)
+
+    def untrainable(self, collected: int) -> str:
+        """Why none of the ``collected`` ratings became a training sample."""
+        if collected == 0:
+            return f"no new ratings since watermark {self.since}"
+        dropped = {
+            "held out for evaluation": self.metrics.get("eval/held_out", 0),
+            "from flagged users": self.metrics.get("flagged_excluded", 0),
+        }
+        why = ", ".join(f"{n} {what}" for what, n in dropped.items() if n)
+        return f"{collected} new ratings, none trainable" + (f" ({why})" if why else " (no rated answer)")
+
+    def nothing_to_learn(self, reason: str, collected: int) -> RoundResult:
+        self.metrics["seconds"] = self.timer.seconds
+        self.finish(
+            status="nothing_to_learn",
+            reason=reason,
+            watermark_to=self.watermark,
+            metrics=self.metrics,
+            samples_collected=collected,
+        )
+        log.info("round %s: nothing to learn: %s", self.round_id, reason)
+        return self.result("nothing_to_learn", reason=reason)
 
     def finish(self, **values: Any) -> None:
         with self.sessions.begin() as session:

@@ -111,6 +111,7 @@ class RoundConfig:
     num_threads: int | None = None
     train_timeout_s: float = 3600.0
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    canary_share: float = 0.0  # > 0: a passing version serves this share first (a base canary)
     drift: DriftConfig = field(default_factory=DriftConfig)  # learner.trainers.drift (torch backend)
     user_weighting: UserWeighting = field(default_factory=UserWeighting)  # learner.user_weights
     # metrics, debugging and plumbing
@@ -192,10 +193,11 @@ class RoundResult:
     scoring candidate and serving; ``swap`` is the server's rolling update as the learner waits for it.
 
     ``held_back``: the round trained and recorded ``version_id``, but the evaluation gate kept it a
-    candidate (its row's ``status_reason`` says why); serving is unchanged.
+    candidate (its row's ``status_reason`` says why); serving is unchanged. ``canary``: it passed and
+    serves a share of sessions from part of the engine pool until live ratings decide it.
     """
 
-    status: Literal["succeeded", "held_back", "nothing_to_learn", "rollout_only", "failed"]
+    status: Literal["succeeded", "canary", "held_back", "nothing_to_learn", "rollout_only", "failed"]
     round_id: str
     model: str
     samples: int = 0
@@ -208,3 +210,4 @@ class RoundResult:
     seconds: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    reason: str | None = None  # why a round had nothing to learn

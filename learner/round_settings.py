@@ -121,6 +121,7 @@ def round_config(
         save_batch_dir=settings.learner.save_batch_dir,
         train_config=train_config(settings),
         evaluation=eval_config(settings),
+        canary_share=settings.learner.canary_share,
         drift=DriftConfig(
             guard=settings.learner.drift_guard,
             max_kl=settings.learner.drift_max_kl,
@@ -153,4 +154,5 @@ def personal_round_config(settings: Settings, base: RoundConfig) -> PersonalRoun
         num_steps=adapters.steps,
         min_ratings=adapters.min_ratings,
         scopes_per_pass=adapters.scopes_per_pass,
+        canary_share=adapters.canary_share,
     )

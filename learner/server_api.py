@@ -68,12 +68,30 @@ class ServerApi:
         """
         return self._call("POST", {"reason": reason} if reason else {}, f"/admin/adapters/{adapter_id}/promote")
 
-    def _call(self, method: str, body: dict[str, Any] | None, path: str = "/admin/weights") -> dict[str, Any]:
+    def start_base_canary(self, version_id: str, share: float, reason: str | None = None) -> dict[str, Any]:
+        """Serve a candidate base version to ``share`` of every session, from part of the engine pool,
+        until live ratings decide it. Raises RoundError as ``start_canary``."""
+        return self._start_canary(f"/admin/models/{version_id}/canary", share, reason)
+
+    def start_canary(self, adapter_id: str, share: float, reason: str | None = None) -> dict[str, Any]:
+        """Serve the candidate adapter to ``share`` of its scope's sessions until live ratings decide it.
+
+        Raises:
+            RoundError: refused (not a candidate, unknown, no engine pool to split) or unreachable.
+        """
+        return self._start_canary(f"/admin/adapters/{adapter_id}/canary", share, reason)
+
+    def _start_canary(self, path: str, share: float, reason: str | None) -> dict[str, Any]:
+        return self._call("POST", {"share": share} | ({"reason": reason} if reason else {}), path, ok=201)
+
+    def _call(
+        self, method: str, body: dict[str, Any] | None, path: str = "/admin/weights", ok: int = 200
+    ) -> dict[str, Any]:
         try:
             response = httpx.request(method, self._url + path, json=body, headers=self._headers, timeout=self._timeout)
         except httpx.HTTPError as exc:
             raise RoundError(f"cannot reach the server at {self._url}: {exc}") from exc
-        if response.status_code != 200:
+        if response.status_code != ok:
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):

@@ -134,6 +134,7 @@ def summary(result: RoundResult) -> dict[str, Any]:
         "watermark_to": result.watermark_to,
         "seconds": dict(result.seconds),
         "error": result.error,
+        "reason": result.reason,
     }
 
 

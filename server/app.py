@@ -20,6 +20,8 @@ from migrations.migrate import upgrade
 from server.adapter_directory import AdapterDirectory
 from server.auth import Authenticator, AuthPolicy
 from server.body_limit import BodyLimitMiddleware
+from server.canary.decision import CanaryRules
+from server.canary.judge import CanaryJudge
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.conversation_log import ConversationLog
@@ -28,6 +30,7 @@ from server.engine_admin import EngineAdmin
 from server.engine_factory import open_engine
 from server.engines.base import Engine
 from server.errors import install_error_handlers
+from server.json_bodies import JsonBodyMiddleware
 from server.metrics import GatewayMetrics, MetricsMiddleware
 from server.rate_limits import ReleaseAdmissions, RequestLimiter, limiter_for
 from server.rollouts import RolloutService
@@ -178,6 +181,7 @@ async def _start_services(
         serving = await open_engine(settings, given.model_path)
         stack.push_async_callback(serving.close)
     tokenizer = await asyncio.to_thread(_load_tokenizer, settings, serving)
+    weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
     adapters = AdapterDirectory(
         sessions,
         serving.model_info().served_model_name,
@@ -185,16 +189,23 @@ async def _start_services(
         enabled=settings.adapters.enabled,
         disabled_tenants=settings.adapters.disabled_tenants,
         refresh_s=settings.adapters.refresh_s,
+        split_version=weights.split_version,
     )
     await adapters.start()
     stack.push_async_callback(adapters.close)
+    canaries = CanaryJudge(
+        sessions, adapters, weights, check_s=settings.adapters.canary_check_s, defaults=_canary_rules(settings)
+    )
+    await canaries.start()
+    stack.push_async_callback(canaries.close)
     chat = ChatService(serving, tokenizer, log, adapters)
     stack.push_async_callback(chat.close)
     state = app.state
     state.chat = chat
     state.adapters = adapters
+    state.canaries = canaries
     state.completions = CompletionService(log, sessions)
-    state.weights = WeightService(serving, sessions, on_swap=metrics.observe_swap)
+    state.weights = weights
     state.distributed = DistributedRollouts(state.weights, serving)
     stack.push_async_callback(state.distributed.close)
     state.engine = serving
@@ -206,6 +217,16 @@ async def _start_services(
     state.auth = _authenticator(settings, sessions, windows)
     stack.callback(state.auth.close)
     return serving
+
+
+def _canary_rules(settings: Settings) -> CanaryRules:
+    adapters = settings.adapters
+    return CanaryRules(
+        min_ratings=adapters.canary_min_ratings,
+        margin=adapters.canary_margin,
+        confidence=adapters.canary_confidence,
+        max_duration_s=adapters.canary_max_duration_s,
+    )
 
 
 def _authenticator(
@@ -262,6 +283,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
     install_error_handlers(app, authenticate_first)
     app.include_router(router)
     app.state.metrics = metrics
+    app.add_middleware(JsonBodyMiddleware)  # curl -d's form label on a JSON body
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside the body limit: its 413s count too
     app.add_middleware(RequestLogMiddleware)

@@ -96,7 +96,7 @@ class Authenticator:
         self._sessions = session_factory
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         # `tandem serve`'s own learner child, when no admin key is configured: admin, yet it leaves the
-        # keyless quick start keyless (an admin key would switch that off).
+        # keyless quick start keyless.
         self._internal_digest = hashlib.sha256(internal_key.encode()).digest() if internal_key else None
         self._loopback = loopback
         self._policy = policy
@@ -170,9 +170,10 @@ class Authenticator:
         return _Verified(KEYLESS if self._count_keys() == 0 else None, time.monotonic())
 
     async def _is_keyless(self) -> bool:
-        # Keyless use is only for a loopback quick start with no keys at all; recheck now and then
-        # so that creating the first key switches it off without a restart.
-        if not self._loopback or self._admin_digest is not None:
+        # Keyless use is only for a loopback server with no tenant keys at all (an admin key may be
+        # set: it guards the admin API only); recheck now and then so that creating the first key
+        # switches it off without a restart.
+        if not self._loopback:
             return False
         known = self._keyless
         if known is None:
@@ -186,13 +187,6 @@ class Authenticator:
         return known.identity is not None
 
     # ---- keys ----
-
-    def _is_internal(self, authorization: str | None) -> bool:
-        if self._internal_digest is None:
-            return False
-        scheme, _, key = (authorization or "").partition(" ")
-        digest = hashlib.sha256(key.strip().encode()).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._internal_digest)
 
     def forget(self, key_hash: str | None = None) -> None:
         """Drop what is cached about a key (its stored SHA-256 hex) and about keyless use, so a key
@@ -208,21 +202,21 @@ class Authenticator:
         self._rechecked_at = time.monotonic()
 
     async def identify(self, authorization: str | None, client: str = "") -> Identity:
-        if self._is_internal(authorization):
-            return ADMIN
-        if await self._is_keyless():
-            return KEYLESS
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        bearer = scheme.lower() == "bearer" and bool(key)
+        digest = hashlib.sha256(key.encode()).digest()
+        for admin_digest in (self._internal_digest, self._admin_digest):
+            if bearer and admin_digest is not None and hmac.compare_digest(digest, admin_digest):
+                return ADMIN
+        if await self._is_keyless():
+            return KEYLESS
+        if not bearer:
             raise ApiError(
                 401,
                 "You didn't provide an API key. Pass it in the header 'Authorization: Bearer <key>'.",
                 code="missing_api_key",
             )
-        digest = hashlib.sha256(key.encode()).digest()
-        if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
-            return ADMIN
         identity = await self._key_identity(digest, key, client)
         if identity is None:
             await self._failures.hit(self._failure_limit, "auth-failure", client)

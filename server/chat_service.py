@@ -9,11 +9,11 @@ import uuid
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from server.adapter_directory import AdapterDirectory, ServedAdapter
+from server.adapter_directory import BASE_ALONE, AdapterDirectory, Route, ServedAdapter
 from server.auth import Identity
 from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState, TokenText
@@ -50,9 +50,13 @@ class ChatCall:
     started: float
     created_at: float
     log_fields: dict[str, Any]
-    adapter: ServedAdapter | None = None  # resolved once: a swap meanwhile changes the next request
+    route: Route = BASE_ALONE  # resolved once: a swap meanwhile changes the next request
     states: list[ChoiceState] = field(default_factory=list)
     first_token_at: float | None = None
+
+    @property
+    def adapter(self) -> ServedAdapter | None:
+        return self.route.adapter
 
     @property
     def token_budget(self) -> int:
@@ -192,7 +196,7 @@ class ChatService:
             started=started,
             created_at=time.time(),
             log_fields=log_fields,
-            adapter=self.adapters.resolve(identity.tenant_id, request.user) if self.adapters else None,
+            route=self.adapters.resolve(identity.tenant_id, request.user, session_key) if self.adapters else BASE_ALONE,
         )
         call.states = [
             ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
@@ -202,6 +206,7 @@ class ChatService:
             tenant_id=identity.tenant_id,
             prompt_tokens=len(prompt_ids),
             adapter_id=call.adapter.id if call.adapter else None,
+            canary_id=call.route.canary_id,
         )
         return call
 
@@ -216,6 +221,7 @@ class ChatService:
                 # A buffered answer reaches nobody before it is complete, so a pool may retry it anywhere.
                 stream=call.request.stream,
                 adapter=call.adapter.ref if call.adapter else None,
+                weight_version=call.route.weight_version,
             )
             for i, sampling in enumerate(call.sampling)
         ]
@@ -388,6 +394,8 @@ class ChatService:
             session_key=call.session_key,
             metadata=dict(request.metadata or {}),
             adapter_id=call.adapter.id if call.adapter else None,
+            canary_id=call.route.canary_id,
+            canary_arm=_arm(call.route, first.weight_version),
         )
 
     def _remember(self, call: ChatCall) -> None:
@@ -418,3 +426,11 @@ def _delta(
     index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _arm(route: Route, served_version: str | None) -> Literal["canary", "control"] | None:
+    """The canary side that answered: a base candidate's side whose replicas were all out of rotation
+    was answered by the pool's weights, which is the control's answer."""
+    if route.weight_version is not None and served_version not in (None, route.weight_version):
+        return "control"
+    return route.arm

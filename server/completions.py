@@ -6,6 +6,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -112,6 +113,8 @@ class CompletionService:
     async def _feedback_body(self, identity: Identity, record: FeedbackRecord) -> dict[str, Any]:
         body: dict[str, Any] = {"object": "feedback", **dataclasses.asdict(record), "revision": None, "history": []}
         del body["tenant_id"]
+        # ISO 8601 like the history's events and every other time this API answers.
+        body["created_at"] = datetime.fromtimestamp(record.created_at, UTC)
         # The record is safe in the journal already; the revision is known once it reaches the database.
         await self._flush()
         try:

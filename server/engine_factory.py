@@ -36,6 +36,7 @@ async def open_local_engine(settings: Settings, model_path: Path, *, weight_vers
         max_batch_size=settings.engine.max_batch_size,
         max_queued_requests=settings.engine.max_queued_requests,
         prefix_cache_bytes=settings.engine.prefix_cache_bytes,
+        packed_linears=settings.engine.packed_linears,
         adapter_cache_bytes=settings.adapters.cache_bytes,
         weight_version=weight_version,
     )

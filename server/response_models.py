@@ -10,6 +10,7 @@ are declared once.
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar, get_type_hints
 
 from pydantic import BaseModel, Field, create_model
@@ -125,7 +126,7 @@ class Feedback(BaseModel):
     rating: Literal["up", "down"] | None
     comment: str | None
     corrected_answer: str | None
-    created_at: float
+    created_at: datetime
     revision: int | None = Field(description="null while the rating is journaled, not yet in the database")
     history: list[FeedbackEventView] = Field(description="Every rating of the choice, oldest first")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from server.response_models import ErrorResponse
 
@@ -56,7 +56,21 @@ class TextPart(_Request):
     text: str
 
 
-Content = str | list[TextPart]
+def text_only(value: Any) -> Any:
+    """One clear refusal for an image, audio or file part (the models served take text only), instead
+    of the union's errors for every way the value fails to be a string or a list of text parts."""
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"this model takes text only: a content part of type {kind!r} cannot be read; "
+                    "send a string, or parts of type 'text'"
+                )
+    return value
+
+
+Content = Annotated[str | list[TextPart], BeforeValidator(text_only)]
 
 
 class FunctionCall(_Request):
@@ -201,14 +215,17 @@ class ChatCompletionRequest(_Request):
 
 
 class FeedbackRequest(_Request):
-    # ``_one_of_rating_or_score`` in the schema: exactly one of them is given (and not null).
+    # ``_one_of_rating_or_score`` in the schema: exactly one of them is given (and not null). Unlike
+    # OpenAI's endpoints this one is tandem's own: an unknown field is a mistake (``index`` for
+    # ``choice_index`` would rate choice 0), refused rather than ignored.
     model_config = ConfigDict(
+        extra="forbid",
         json_schema_extra={
             "oneOf": [
                 {"required": ["rating"], "properties": {"rating": {"type": "string"}}},
                 {"required": ["score"], "properties": {"score": {"type": "number"}}},
             ]
-        }
+        },
     )
 
     completion_id: NulFreeStr = Field(min_length=1, max_length=128)

@@ -25,6 +25,7 @@ from server.database_errors import database_call, database_error
 from server.engines.base import Engine, EngineError, ModelInfo
 from server.engines.local.weights import WeightLoadError
 from server.errors import ApiError
+from server.router.pool import EnginePool
 from server.weight_delta import DeltaError, OutOfOrderDelta, WeightDelta, materialise
 from storage.learning_errors import NotFoundError
 from storage.model_versions import get_version, record_model_version, serving_version, set_version_status
@@ -145,6 +146,75 @@ class WeightService:
             raise database_error(exc, message) from exc
         log.info("model version rolled out", extra={"weight_version": weight_version, "swap_s": swap_s})
         return {**await self.serving(), "previous_version": before.weight_version, "swap_s": swap_s}
+
+    # ---- a base canary: the candidate on part of the pool ----
+
+    def split_version(self) -> str | None:
+        """The base candidate some of the engine's replicas serve (a base canary); None: not split."""
+        split = self._engine.canary if isinstance(self._engine, EnginePool) else None
+        return split.weight_version if split is not None else None
+
+    async def start_split(self, model_path: str, weight_version: str, share: float) -> int:
+        """Load ``weight_version`` onto ``share`` of the pool's replicas (at least one, never all);
+        how many. A split already running is rolled back first.
+
+        Raises:
+            ApiError: 409 ``canary_unsupported`` for an engine that is not a pool of two or more
+                replicas in rotation; 400 when the checkpoint is refused (serving unchanged).
+        """
+        async with self._lock:
+            pool = self._pool()
+            replicas = max(1, round(share * len(pool.replicas)))
+            try:
+                return len((await pool.start_canary(model_path, weight_version, replicas)).replicas)
+            except (EngineError, OSError) as exc:
+                if isinstance(exc, EngineError) and exc.status == 409:
+                    raise ApiError(409, f"Cannot start a base canary: {exc}.", code="canary_unsupported") from exc
+                raise _Refusal(model_path, "model_path").error(exc) from exc
+
+    async def end_split(self, promote: bool) -> dict[str, Any] | None:
+        """Promoted: the candidate onto the rest of the pool and its version row ``serving`` (as a
+        rollout: ``roll_out``'s answer). Rolled back: the pool's weights back onto its replicas.
+
+        Raises:
+            ApiError: 409 ``canary_state`` when the pool is not split; as ``roll_out`` on promotion.
+        """
+        async with self._lock:
+            pool = self._pool()
+            split = pool.canary
+            if split is None:
+                raise ApiError(409, "No base canary splits the engine pool.", code="canary_state")
+            if not promote:
+                await pool.end_canary(False)
+                return None
+            before = self._engine.model_info()
+
+            async def load() -> None:
+                await pool.end_canary(True)
+
+            return await self._swap(
+                before, split.model_path, split.weight_version, load, _Refusal(split.model_path, "model_path")
+            )
+
+    def check_splittable(self) -> None:
+        """Raise ApiError 409 ``canary_unsupported`` unless a base canary could start now."""
+        healthy = sum(r.healthy for r in self._pool().replicas.values())
+        if healthy < 2:
+            raise ApiError(
+                409,
+                f"A base canary needs two or more engine replicas in rotation, and {healthy} is.",
+                code="canary_unsupported",
+            )
+
+    def _pool(self) -> EnginePool:
+        if not isinstance(self._engine, EnginePool):
+            raise ApiError(
+                409,
+                "A base canary needs an engine pool of two or more replicas (TANDEM_ENGINE=sglang with several "
+                "TANDEM_ENGINE_URLS); this server has one engine: roll the version out instead.",
+                code="canary_unsupported",
+            )
+        return self._engine
 
     def _serving_row(self, model: str) -> dict[str, Any] | None:
         with self._sessions() as session:

@@ -118,6 +118,8 @@ def _insert_completions(session: Session, new: list[CompletionRecord]) -> None:
                 "model": rec.model,
                 "weight_version": rec.weight_version,
                 "adapter_id": rec.adapter_id,
+                "canary_id": rec.canary_id,
+                "canary_arm": rec.canary_arm,
                 "engine_replica": rec.engine_replica,
                 "prompt_token_ids": encode_token_ids(rec.prompt_token_ids),
                 "prompt_tokens": rec.prompt_tokens,

@@ -134,6 +134,9 @@ class Completion(Base):
     model: Mapped[str] = mapped_column(String(256))
     weight_version: Mapped[str] = mapped_column(String(128))
     adapter_id: Mapped[str | None] = mapped_column(String(128))  # the LoRA adapter it was served with
+    # The canary whose traffic split served it, and on which side ("canary" or "control").
+    canary_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    canary_arm: Mapped[str | None] = mapped_column(String(8))
     engine_replica: Mapped[str] = mapped_column(String(256))
     prompt_token_ids: Mapped[bytes] = mapped_column(LargeBinary)
     prompt_tokens: Mapped[int]
@@ -197,7 +200,8 @@ class FeedbackEvent(Base):
 SequenceInt = BigInteger().with_variant(Integer(), "sqlite")
 
 VERSION_STATUSES = ("candidate", "serving", "retired", "rejected")
-ROUND_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+# nothing_to_learn: the round consumed its data (the watermark moves) but could not change the policy.
+ROUND_STATUSES = ("queued", "running", "succeeded", "nothing_to_learn", "failed", "cancelled")
 ROUND_TRIGGERS = ("schedule", "manual")
 
 
@@ -290,6 +294,7 @@ class TrainingRound(Base):
     config: Mapped[dict[str, Any]]
     metrics: Mapped[dict[str, Any]]
     error: Mapped[str | None] = mapped_column(NulSafeText())
+    reason: Mapped[str | None] = mapped_column(NulSafeText())  # why a round had nothing to learn (0010)
     worker_id: Mapped[str | None] = mapped_column(String(256))
     # The schedule that fired it (no foreign key: the round's history outlives a deleted schedule).
     schedule_id: Mapped[str | None] = mapped_column(String(64))
@@ -434,3 +439,60 @@ class CohortMember(Base):
     end_user: Mapped[str] = mapped_column(NulSafeString(256), primary_key=True)
     cohort: Mapped[str] = mapped_column(NulSafeString(256))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+CANARY_STATUSES = ("running", "promoted", "rolled_back", "superseded")
+
+
+class Canary(Base):
+    """A candidate serving a share of its scope's traffic until live ratings decide it: an adapter for
+    a user, cohort or tenant scope, or a model version for the base (``scope_kind`` ``base``, every
+    tenant: no ``tenant_id``).
+
+    At most one running canary per scope; the candidate's row stays ``candidate`` until the decision.
+    """
+
+    __tablename__ = "canaries"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", CANARY_STATUSES), name="status"),
+        CheckConstraint("(scope_kind = 'base') = (tenant_id IS NULL)", name="base_spans_tenants"),
+        Index(
+            "uq_canaries_model_tenant_id_scope_kind_scope_running",
+            "model",
+            "tenant_id",
+            "scope_kind",
+            "scope",
+            unique=True,
+            postgresql_where=text("status = 'running'"),
+            sqlite_where=text("status = 'running'"),
+        ),
+        # NULL tenant ids are distinct in the index above: one running base canary per model here.
+        Index(
+            "uq_canaries_model_base_running",
+            "model",
+            unique=True,
+            postgresql_where=text("status = 'running' AND scope_kind = 'base'"),
+            sqlite_where=text("status = 'running' AND scope_kind = 'base'"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    scope_kind: Mapped[str] = mapped_column(String(16))
+    scope: Mapped[str] = mapped_column(NulSafeString(256))
+    # An adapter id, or for the base a model version id (no foreign key: it is either; a user's
+    # canaries go with their data, storage.user_data).
+    candidate_id: Mapped[str] = mapped_column(String(128))
+    # What served the scope when the canary began (None: no adapter of its own).
+    control_id: Mapped[str | None] = mapped_column(String(128))
+    share: Mapped[float]
+    rules: Mapped[dict[str, Any]]  # min_ratings, margin, confidence, max_duration_s
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(NulSafeText())
+    numbers: Mapped[dict[str, Any]]  # the tallies and probabilities the decision read
+    started_by: Mapped[str] = mapped_column(String(64))
+    decided_by: Mapped[str | None] = mapped_column(String(64))
+    started_at: Mapped[datetime]
+    deadline: Mapped[datetime]
+    decided_at: Mapped[datetime | None]

@@ -52,6 +52,8 @@ class CompletionRecord:
     session_key: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     adapter_id: str | None = None  # the LoRA adapter it was served with; None: the base alone
+    canary_id: str | None = None  # the canary whose split served it ...
+    canary_arm: Literal["canary", "control"] | None = None  # ... and on which side
 
 
 @dataclass(slots=True)

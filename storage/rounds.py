@@ -1,7 +1,7 @@
 """Training rounds: one at a time per model, idempotent, recovered when a worker dies.
 
-Rounds are idempotent because the watermark only moves when a round *succeeds*
-(``finish_round(status="succeeded", watermark_to=...)``): a failed or abandoned round leaves it where
+Rounds are idempotent because the watermark only moves when a round *consumes* its data
+(``finish_round(status="succeeded" or "nothing_to_learn", watermark_to=...)``): a failed or abandoned round leaves it where
 it was, and the re-run collects the same data again. One round runs per model at a time: a unique
 partial index on ``training_rounds(model) WHERE status = 'running'`` is the lock, released when the
 round finishes or when ``fail_stale_rounds`` marks a round whose worker stopped heart-beating failed.
@@ -26,7 +26,8 @@ from storage.models import TrainingRound
 from storage.times import utcnow
 
 RoundTrigger = Literal["schedule", "manual"]
-RoundOutcome = Literal["succeeded", "failed"]
+RoundOutcome = Literal["succeeded", "nothing_to_learn", "failed"]
+CONSUMED: tuple[RoundOutcome, ...] = ("succeeded", "nothing_to_learn")  # outcomes that move the watermark
 
 _ROUNDS: Table = TrainingRound.__table__  # type: ignore[assignment]
 
@@ -52,6 +53,7 @@ class TrainingRoundView:
     finished_at: datetime | None
     heartbeat_at: datetime | None
     schedule_id: str | None = None  # the schedule that fired it (migration 0004), if any
+    reason: str | None = None  # why it had nothing to learn (migration 0010)
 
 
 def queue_round(
@@ -85,7 +87,7 @@ def start_round(
     schedule_id: str | None = None,
     now: datetime | None = None,
 ) -> TrainingRoundView:
-    """Mark a round running on ``worker_id``, from the last succeeded round's watermark.
+    """Mark a round running on ``worker_id``, from the last consumed round's watermark.
 
     Claims the queued round ``round_id`` when given (and it exists), else creates a new one (fired by
     the schedule ``schedule_id``, if any).
@@ -149,20 +151,24 @@ def finish_round(
     watermark_to: int | None = None,
     metrics: dict[str, Any] | None = None,
     error: str | None = None,
+    reason: str | None = None,
     samples_collected: int | None = None,
     samples_trained: int | None = None,
     produced_version_id: str | None = None,
     now: datetime | None = None,
 ) -> TrainingRoundView:
-    """End a running round; a succeeded one moves the model's watermark to ``watermark_to``.
+    """End a running round; a consumed one (succeeded, nothing_to_learn) moves the model's watermark to
+    ``watermark_to``; a ``nothing_to_learn`` one says why in ``reason``.
 
     Raises:
-        ValueError: a succeeded round without ``watermark_to``.
+        ValueError: a consumed round without ``watermark_to``, or nothing to learn without a reason.
         LearningStateError: the round is not running (finished, cancelled, or declared dead).
     """
-    if status == "succeeded" and watermark_to is None:
-        raise ValueError("a succeeded round needs the watermark it consumed up to")
-    values: dict[str, Any] = {"status": status, "finished_at": now or utcnow(), "error": error}
+    if status in CONSUMED and watermark_to is None:
+        raise ValueError(f"a {status} round needs the watermark it consumed up to")
+    if status == "nothing_to_learn" and not reason:
+        raise ValueError("a round with nothing to learn needs the reason")
+    values: dict[str, Any] = {"status": status, "finished_at": now or utcnow(), "error": error, "reason": reason}
     optional = {
         "watermark_to": watermark_to,
         "metrics": metrics,
@@ -217,8 +223,8 @@ def fail_stale_rounds(
 
 
 def last_watermark(session: Session, *, model: str) -> int:
-    """The watermark of the model's succeeded rounds (0 before the first)."""
-    query = select(func.max(_ROUNDS.c.watermark_to)).where(_ROUNDS.c.model == model, _ROUNDS.c.status == "succeeded")
+    """The watermark of the model's consumed rounds (0 before the first)."""
+    query = select(func.max(_ROUNDS.c.watermark_to)).where(_ROUNDS.c.model == model, _ROUNDS.c.status.in_(CONSUMED))
     return int(session.scalar(query) or 0)
 
 

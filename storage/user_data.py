@@ -29,6 +29,7 @@ from sqlalchemy import ColumnElement, and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from storage.adapters import AdapterView, delete_user_adapters, leave_cohorts, list_adapters
+from storage.canaries import delete_user_canaries
 from storage.completions import CompletionView, completion_views
 from storage.data_deletions import DeletionView, list_deletions, lock_for_deletion, record_deletion
 from storage.learning_errors import NotFoundError
@@ -111,6 +112,7 @@ def delete_user_data(
         "completions": _delete(session, Completion, owned),
         "sessions": _delete(session, ConversationSession, ConversationSession.end_user_id == user.id),
         "end_users": _delete(session, EndUser, EndUser.id == user.id),
+        "canaries": delete_user_canaries(session, tenant_id=tenant_id, end_user=end_user),
         "adapters": len(delete_user_adapters(session, tenant_id=tenant_id, end_user=end_user)),
         "cohort_members": leave_cohorts(session, tenant_id=tenant_id, end_user=end_user),
     }

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy import make_url
 
 from tandem.commands.db import db_app
 from tandem.commands.engines import engines_app
+from tandem.commands.export import export_command
 from tandem.commands.keys import keys_app
 from tandem.commands.learn import learn_command
 from tandem.commands.replay import replay_command
@@ -24,6 +27,7 @@ app.add_typer(keys_app, name="keys", help="Tenant API keys.")
 app.add_typer(engines_app, name="engines", help="Managed engine groups: validate a config and show launch commands.")
 app.command("learn")(learn_command)
 app.command("replay")(replay_command)
+app.command("export")(export_command)
 app.command("worker")(worker_command)
 app.command("beat")(beat_command)
 
@@ -74,6 +78,7 @@ def serve(
     from admin.app import create_app  # the gateway with the admin API mounted
     from server.app import StartupError
     from tandem.commands.load_settings import load_settings
+    from tandem.dashboard_link import announce_dashboard
     from tandem.worker_child import attach_worker_child, with_internal_key
 
     settings = load_settings(
@@ -88,6 +93,15 @@ def serve(
     )
     configure_logging(settings.observability.log_level, settings.observability.log_format)
     settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
+    # The data directory first: the default one is shared by every checkout on this machine.
+    logging.getLogger("tandem.serve").info(
+        "tandem serve starting",
+        extra={
+            "data_dir": str(settings.storage.data_dir),
+            "database": make_url(settings.resolved_database_url).render_as_string(hide_password=True),
+            "model": settings.engine.model,
+        },
+    )
     settings = with_internal_key(settings)
     try:
         api = create_app(settings)
@@ -95,6 +109,7 @@ def serve(
         typer.secho(f"tandem serve: {exc}", fg="red", err=True)
         raise typer.Exit(2) from exc
     attach_worker_child(api, settings)  # learner = "embedded": a learner worker for serve's lifetime
+    announce_dashboard(api, settings)
     _run(api, settings)
 
 

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,10 +44,20 @@ class ConsoleFormatter(logging.Formatter):
         return f"{text} {fields}" if fields else text
 
 
-def configure_logging(level: str = "INFO", fmt: Literal["json", "console"] = "json") -> None:
+LogFormat = Literal["auto", "json", "console"]
+
+
+def formatter_for(fmt: LogFormat, stream: TextIO) -> logging.Formatter:
+    """``auto``: readable lines when ``stream`` is a terminal, JSON when it is a file or a pipe."""
+    if fmt == "auto":
+        fmt = "console" if stream.isatty() else "json"
+    return JsonFormatter() if fmt == "json" else ConsoleFormatter()
+
+
+def configure_logging(level: str = "INFO", fmt: LogFormat = "auto") -> None:
     """Route tandem's and uvicorn's loggers through one stderr handler in the chosen format."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
+    handler.setFormatter(formatter_for(fmt, sys.stderr))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -56,6 +66,9 @@ def configure_logging(level: str = "INFO", fmt: Literal["json", "console"] = "js
         logging.getLogger(name).propagate = True
     # Our request line replaces uvicorn's access log.
     logging.getLogger("uvicorn.access").disabled = True
+
+
+POLLED_PATHS = frozenset({"/health", "/admin/weights", "/metrics"})
 
 
 class RequestLogMiddleware:
@@ -95,4 +108,7 @@ class RequestLogMiddleware:
                 "latency_ms": round((time.perf_counter() - start) * 1000, 3),
                 **state.get("log_fields", {}),
             }
-            self.logger.info("request", extra=fields)
+            # Pollers (the learner asks what serves every few seconds, probes ask for health) would
+            # fill the log: their successful reads are debug lines.
+            quiet = scope["method"] == "GET" and scope["path"] in POLLED_PATHS and 0 < status < 400
+            self.logger.log(logging.DEBUG if quiet else logging.INFO, "request", extra=fields)

@@ -25,7 +25,7 @@ class BuiltinModel:
     package: str
     gguf_file: str
     install_hint: str
-    dtype: str = "float32"  # fp32 generates faster than bf16 on CPU (reference/small-models.md)
+    dtype: str = "float32"  # the folder's dtype; fp32 serves faster than bf16 on AVX2 CPUs (BENCHMARKS.md)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {

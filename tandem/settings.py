@@ -50,7 +50,9 @@ class ServerSettings(_Group):
     port: int = Field(8000, ge=1, le=65535)
     admin_key: SecretStr | None = None
     internal_admin_key: SecretStr | None = Field(
-        None, description="set by `tandem serve` for its own learner child when no admin key is configured"
+        None,
+        description="set by `tandem serve` when no admin key is configured: its learner child's key and the "
+        "dashboard link's login, for this run only",
     )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0)
@@ -113,6 +115,10 @@ class EngineSettings(_Group):
     max_batch_size: int = Field(16, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
+    packed_linears: bool = Field(
+        True,
+        description="local engine on the CPU: oneDNN-packed weight copies (faster decode, linear weights held twice)",
+    )
 
     @field_validator("urls", mode="before")
     @classmethod
@@ -225,6 +231,13 @@ class LearnerSettings(_Group):
     save_batch_dir: Path | None = _learn("save_batch_dir", None, description="save each round's batch (tandem replay)")
     kl_coef: float = _learn("kl_coef", 0.0, ge=0, description="KL loss to the lineage's first model (0: off)")
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = _learn("kl_type", "low_var_kl")
+    canary_share: float = _learn(
+        "canary_share",
+        0.0,
+        ge=0,
+        lt=1,
+        description="a new base version serves this share of sessions first, from part of the engine pool (0: none)",
+    )
     drift_guard: Literal["on", "off"] = _learn(
         "drift_guard", "on", description="stop a drifting round, pause its schedule"
     )
@@ -275,7 +288,7 @@ class EvaluationSettings(_Group):
     guard_user_prompts: int = _eval("guard_user_prompts", 8, ge=0, description="held-out prompts answered too")
     guard_max_tokens: int = _eval("guard_max_tokens", 48, ge=1, description="tokens per guard answer")
     guard_max_loglik_drop: float = _eval("guard_max_loglik_drop", 0.3, ge=0, description="reference answers, per token")
-    guard_max_kl: float = _eval("guard_max_kl", 0.5, ge=0, description="KL to the lineage root, per sampled token")
+    guard_max_kl: float = _eval("guard_max_kl", 0.2, ge=0, description="KL to the lineage root, per sampled token")
     guard_min_length_ratio: float = _eval("guard_min_length_ratio", 0.5, ge=0)
     guard_max_length_ratio: float = _eval("guard_max_length_ratio", 2.5, ge=0)
     guard_max_distinct_2_drop: float = _eval("guard_max_distinct_2_drop", 0.15, ge=0)
@@ -288,7 +301,9 @@ class ObservabilitySettings(_Group):
     """Logs and round metrics."""
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "console"] = "json"
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto: readable lines on a terminal, JSON otherwise (a file, a pipe, a log shipper)"
+    )
     tensorboard_dir: Path | None = Field(None, description="round metrics event files; default: data_dir/tensorboard")
     wandb_project: str = Field("", description="W&B project for round metrics; empty: W&B off")
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
@@ -333,6 +348,21 @@ class AdapterSettings(_Group):
     scopes_per_pass: int = _adapter(
         "scopes_per_pass", 8, ge=1, description="adapters trained together in one pass (1: one child per scope)"
     )
+    # Canary rollouts (docs/adapters.md): a new adapter first serves a share of its scope's sessions.
+    canary_share: float = _adapter(
+        "canary_share", 0.0, ge=0, lt=1, description="share of a scope's sessions a new adapter serves first (0: none)"
+    )
+    canary_min_ratings: int = _adapter("canary_min_ratings", 20, ge=1, description="rated answers per side first")
+    canary_margin: float = _adapter(
+        "canary_margin", 0.05, ge=0, lt=1, description="thumbs-up rate the canary may trail the control by"
+    )
+    canary_confidence: float = _adapter(
+        "canary_confidence", 0.95, gt=0.5, lt=1, description="posterior probability a decision needs"
+    )
+    canary_max_duration_s: float = _adapter(
+        "canary_max_duration_s", 86400.0, gt=0, description="undecided after this long: rolled back"
+    )
+    canary_check_s: float = _adapter("canary_check_s", 30.0, gt=0, description="how often a gateway judges canaries")
 
 
 GROUPS: dict[str, type[_Group]] = {

@@ -38,8 +38,9 @@ STOP_GRACE_S = 5.0
 
 
 def with_internal_key(settings: Settings) -> Settings:
-    """``settings`` with a fresh internal admin key when an embedded worker will need one."""
-    if settings.learner.mode != "embedded" or settings.server.admin_key is not None:
+    """``settings`` with a fresh internal admin key for this run when no admin key is configured (the
+    embedded worker's key, and the login the dashboard link carries: ``tandem.dashboard_link``)."""
+    if settings.server.admin_key is not None:
         return settings
     return settings.with_overrides(internal_admin_key=SecretStr(secrets.token_urlsafe(32)))
 

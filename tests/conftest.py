@@ -1,4 +1,4 @@
-"""Shared fixtures: real SQLite files and a throwaway PostgreSQL database (no torch imports here)."""
+"""Shared fixtures: real SQLite files, a throwaway PostgreSQL database, and sessions on either (no torch imports here)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from sqlalchemy.orm import Session, sessionmaker
 
 from migrations.migrate import upgrade
+from storage.db import make_engine, make_session_factory
 
 POSTGRES_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=5"
 
@@ -65,3 +67,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     seed = getattr(config.option, "randomly_seed", None)
     if seed is not None:
         terminalreporter.write_line(f"test order: --randomly-seed={seed}")
+
+
+@pytest.fixture
+def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
+    """A session factory on ``database_url`` (each database the test is parametrized over)."""
+    engine = make_engine(database_url)
+    yield make_session_factory(engine)
+    engine.dispose()

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends
 from admin.routes import (
     adapters,
     audit,
+    canaries,
     engines,
     flagged_users,
     keys,
@@ -29,6 +30,7 @@ for module in (
     runs,
     versions,
     adapters,
+    canaries,
     schedules,
     audit,
     engines,

@@ -125,7 +125,9 @@ async def get_adapters(
 
 @router.get("/admin/adapters/{adapter_id}", response_model=schemas.Adapter, responses=ERRORS)
 async def get_one_adapter(adapter_id: str, _: AdminDep, sessions: SessionsDep) -> Response:
-    return json_response(await in_thread(read, sessions, lambda session: adapter_view(_get(session, adapter_id))))
+    return json_response(
+        await in_thread(read, sessions, lambda session: adapter_view(adapter_or_404(session, adapter_id)))
+    )
 
 
 @router.post("/admin/adapters", status_code=201, response_model=schemas.Adapter, responses=ERRORS)
@@ -140,7 +142,7 @@ async def register_adapter(body: RegisterAdapter, actor: ActorDep, sessions: Ses
         _check_scope(body)
         if body.base_version_id is not None:
             _check_base(session, body.base_version_id, model)
-        _check_folder(folder)
+        check_folder(folder)
         adapter = record_adapter(
             session,
             adapter_id=adapter_id,
@@ -265,7 +267,7 @@ async def _serve(
     reason = body.reason if body else None
 
     def work(session: Session) -> tuple[dict[str, Any], dict[str, Any]]:
-        adapter = _get(session, adapter_id)
+        adapter = adapter_or_404(session, adapter_id)
         refusal = ALLOWED[action].get(adapter.status, f"it is {adapter.status}")
         if refusal is not None:
             raise ApiError(
@@ -273,7 +275,7 @@ async def _serve(
                 f"Cannot {action.replace('rollback', 'roll back to')} {adapter_id}: {refusal}.",
                 code="version_state",
             )
-        _check_folder(adapter.checkpoint_path)  # gone or changed since: refused while the scope's adapter serves on
+        check_folder(adapter.checkpoint_path)  # gone or changed since: refused while the scope's adapter serves on
         previous = serving_adapter(
             session,
             model=adapter.model,
@@ -296,7 +298,7 @@ async def _serve(
     return json_response(answer)
 
 
-def _get(session: Session, adapter_id: str) -> AdapterView:
+def adapter_or_404(session: Session, adapter_id: str) -> AdapterView:
     try:
         return get_adapter(session, adapter_id=adapter_id)
     except NotFoundError as exc:
@@ -327,7 +329,7 @@ def _check_base(session: Session, version_id: str, model: str) -> None:
         )
 
 
-def _check_folder(folder: str) -> None:
+def check_folder(folder: str) -> None:
     try:
         check_adapter_folder(Path(folder))
     except AdapterError as exc:

@@ -24,7 +24,7 @@ from storage.rounds import RoundTrigger, TrainingRoundView, cancel_round, get_ro
 router = APIRouter()
 
 ERROR_TAIL_CHARS = 4000  # a traceback's end says what failed; the start is framework frames
-RoundStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+RoundStatus = Literal["queued", "running", "succeeded", "nothing_to_learn", "failed", "cancelled"]
 
 
 @router.get("/admin/runs", response_model=RunPage, responses=ERRORS)
@@ -110,6 +110,7 @@ def _summary(view: TrainingRoundView) -> dict[str, Any]:
         "model": view.model,
         "status": view.status,
         "trigger": view.trigger,
+        "schedule_id": view.schedule_id,
         "base_version_id": view.base_version_id,
         "produced_version_id": view.produced_version_id,
         "watermark_from": view.watermark_from,
@@ -122,6 +123,7 @@ def _summary(view: TrainingRoundView) -> dict[str, Any]:
         "started_at": view.started_at,
         "finished_at": view.finished_at,
         "error": error,
+        "reason": view.reason,
     }
 
 

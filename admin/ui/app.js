@@ -50,10 +50,19 @@ async function api(method, path, body) {
 
 const pad = (n) => String(n).padStart(2, "0");
 
+// The browser's local time, saying which: "2026-12-06 19:41:01 UTC" or "... UTC+01:00".
 function fmtTime(iso) {
   if (!iso) return "—";
   const d = new Date(iso);
-  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  const day = `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}`;
+  return `${day} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())} ${fmtZone(d)}`;
+}
+
+function fmtZone(d) {
+  const minutes = -d.getTimezoneOffset();
+  if (minutes === 0) return "UTC";
+  const sign = minutes > 0 ? "+" : "-";
+  return `UTC${sign}${pad(Math.floor(Math.abs(minutes) / 60))}:${pad(Math.abs(minutes) % 60)}`;
 }
 
 function fmtDuration(seconds) {
@@ -299,6 +308,11 @@ async function loadModels() {
     versions.map((v) => {
       const status = el("span", {}, badge(v.status));
       if (v.status_reason) status.append(el("div", { class: "muted small", text: v.status_reason }));
+      const skipped = v.evaluation && v.evaluation.skipped;
+      if (skipped) {
+        const text = `preference not checked: ${skipped}`;
+        status.append(el("div", { class: "warn small", text, title: "Held-out ratings or TANDEM_EVAL_PROMPTS let the gate compare answers" }));
+      }
       const checks = guardChecks(v.evaluation);
       if (checks) status.append(checks);
       return el(
@@ -316,6 +330,60 @@ async function loadModels() {
     }),
     8,
     "No model versions yet: the first learning round records one.",
+  );
+}
+
+// Canaries (admin/routes/canaries.py): a candidate adapter serving a share of its scope until live
+// ratings decide it; a running one can be decided by hand.
+async function loadCanaries() {
+  const canaries = (await api("GET", "/admin/canaries?limit=20")).data;
+  fill(
+    "canary-rows",
+    canaries.map((c) => {
+      const status = el("span", {}, badge(c.status));
+      if (c.reason) status.append(el("div", { class: "muted small", text: c.reason }));
+      const thumbs = (side) => (side ? `${side.up} / ${side.up + side.down}` : "—");
+      const numbers = c.numbers || {};
+      return el(
+        "tr",
+        { "data-id": c.id },
+        td(mono(shortId(c.id), c.id)),
+        td(c.scope_kind === "base" ? "base model (every tenant)" : `${c.tenant_id} / ${c.scope_kind} / ${c.scope}`),
+        td(mono(c.candidate_id)),
+        td(c.control_id ? mono(c.control_id) : el("span", { class: "muted", text: "the base" })),
+        td(`${Math.round(c.share * 100)} %`, "num"),
+        td(status),
+        td(thumbs(numbers.canary), "num"),
+        td(thumbs(numbers.control), "num"),
+        td(numbers.p_not_worse === undefined ? "—" : fmtNum(numbers.p_not_worse, 3), "num"),
+        td(fmtTime(c.started_at)),
+        td(c.status === "running" ? canaryActions(c) : null, "actions"),
+      );
+    }),
+    11,
+    "No canaries yet: set TANDEM_ADAPTER_CANARY_SHARE, or start one from the admin API.",
+  );
+}
+
+function canaryActions(canary) {
+  return el(
+    "span",
+    {},
+    ...[
+      ["promote", "Promote"],
+      ["rollback", "Roll back"],
+    ].map(([action, label]) => {
+      const onclick = async () => {
+        const reason = await askReason(`${label} canary ${canary.id}?`, label);
+        if (reason === null) return;
+        await act(label, async () => {
+          const path = `/admin/canaries/${encodeURIComponent(canary.id)}/${action}`;
+          const decided = await api("POST", path, { reason: reason || null });
+          return `Canary ${decided.id} ${decided.status.replace("_", " ")}.`;
+        });
+      };
+      return el("button", { type: "button", class: "small", text: label, onclick });
+    }),
   );
 }
 
@@ -364,19 +432,24 @@ function versionAction(version) {
 
 async function loadRuns() {
   const runs = (await api("GET", "/admin/runs?limit=20")).data;
+  // A run a schedule fired names it (the schedules' names, read only when one is needed).
+  const fired = runs.some((r) => r.schedule_id);
+  const schedules = fired ? (await api("GET", "/admin/schedules?limit=100")).data : [];
+  const names = Object.fromEntries(schedules.map((s) => [s.id, s.name]));
   fill(
     "run-rows",
     runs.map((r) => {
       const metrics = r.metrics || {};
-      const status = el("span", {}, badge(r.status));
-      if (r.error) status.append(el("div", { class: "muted small clip", text: r.error, title: r.error }));
+      const status = el("span", {}, badge(r.status.replaceAll("_", " "), r.status));
+      const note = r.error || r.reason; // a failure's last line, or why there was nothing to learn
+      if (note) status.append(el("div", { class: "muted small clip", text: note, title: note }));
       const samples = r.samples_trained === null ? "—" : `${r.samples_trained} / ${r.samples_collected ?? "—"}`;
       return el(
         "tr",
         { "data-id": r.id },
         td(mono(shortId(r.id, 16), r.id)),
         td(status),
-        td(r.trigger),
+        td(r.schedule_id ? `schedule ${names[r.schedule_id] || shortId(r.schedule_id)}` : r.trigger),
         td(fmtTime(r.started_at || r.created_at)),
         td(fmtDuration(r.duration_s), "num"),
         td(samples, "num"),
@@ -476,6 +549,7 @@ async function loadEngines() {
 const SECTIONS = [
   [loadTrend, "trend-rows", 8],
   [loadAdapters, "adapter-rows", 8],
+  [loadCanaries, "canary-rows", 11],
   [loadModels, "model-rows", 8],
   [loadRuns, "run-rows", 9],
   [loadSchedules, "schedule-rows", 7],
@@ -591,7 +665,10 @@ function signOut(message) {
 
 async function signIn(event) {
   event.preventDefault();
-  const key = $("admin-key").value.trim();
+  await signInWith($("admin-key").value.trim());
+}
+
+async function signInWith(key) {
   const error = $("login-error");
   error.hidden = true;
   sessionStorage.setItem(KEY_STORAGE, key);
@@ -600,8 +677,10 @@ async function signIn(event) {
   } catch (err) {
     sessionStorage.removeItem(KEY_STORAGE);
     const messages = {
-      401: "Wrong admin key: the server refused it.",
-      403: "That is not the admin key: the dashboard needs the admin key the server runs with (TANDEM_ADMIN_KEY).",
+      401:
+        "That is not the admin key. It is TANDEM_ADMIN_KEY, or without one the key in the dashboard link " +
+        "`tandem serve` printed at start (it lasts for that run).",
+      403: "That is a tenant's API key: the dashboard needs the admin key (TANDEM_ADMIN_KEY).",
     };
     error.textContent = messages[err.status] || err.message;
     error.hidden = false;
@@ -625,6 +704,15 @@ document.addEventListener("DOMContentLoaded", () => {
     state.adapterScope = event.target.value;
     refresh();
   });
+  // The link `tandem serve` prints carries this run's admin key in the fragment (never sent to the
+  // server): sign in with it and take it out of the address bar and the history.
+  const fromLink = new URLSearchParams(location.hash.slice(1)).get("key");
+  if (fromLink) {
+    history.replaceState(null, "", location.pathname + location.search);
+    show(false);
+    signInWith(fromLink);
+    return;
+  }
   const signedIn = Boolean(sessionStorage.getItem(KEY_STORAGE));
   show(signedIn);
   if (signedIn) refresh();

@@ -36,7 +36,7 @@ class GuardConfig:
     max_tokens: int = 48
     seed: int = 0
     max_loglik_drop: float = 0.3  # nats per reference-answer token
-    max_kl: float = 0.5  # nats per sampled token, candidate || lineage root
+    max_kl: float = 0.2  # nats per sampled token, candidate || lineage root (BENCHMARKS.md: SmolLM2 brevity)
     min_length_ratio: float = 0.5
     max_length_ratio: float = 2.5
     max_distinct_2_drop: float = 0.15

@@ -132,10 +132,13 @@ class Engine(Protocol):
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
         adapter: AdapterRef | None = None,
+        weight_version: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """``cache_salt`` namespaces prefix-cache reuse (``server.cache_scope``): a request reuses only
         prefixes cached under the same salt, so tenants cannot read each other's prompts through it.
-        ``adapter``: decode with this LoRA adapter over the serving weights."""
+        ``adapter``: decode with this LoRA adapter over the serving weights. ``weight_version``: the
+        base weights to answer with while a base canary splits a pool (None: the pool's own); an
+        engine with one set of weights answers with those, and each chunk names them."""
         ...
 
     async def health(self) -> bool: ...

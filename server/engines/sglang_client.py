@@ -151,6 +151,7 @@ class SGLangClient:
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
         adapter: AdapterRef | None = None,
+        weight_version: str | None = None,  # one server, one set of weights: whatever serves answers
     ) -> AsyncGenerator[TokenChunk, None]:
         body: dict[str, Any] = {
             "input_ids": input_ids,

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from server.engines.base import DEFAULT_PRIORITY, AdapterRef, EngineError, PauseMode, SamplingParams, TokenChunk
 from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
+from server.engines.local.torch_threads import off_engine_thread
 from server.engines.sglang_protocol import finish_to_json, flag, sampling_from_json, spans_to_json
 from server.engines.tensor_ipc import TensorPayloadError, deserialize_named_tensors
 from server.weight_delta import WeightDelta
@@ -199,7 +200,7 @@ class EngineService:
         await self.engine.update_weights_from_delta(delta, model_path, weight_version)
 
     async def load_from_tensor(self, payload: str, weight_version: str) -> None:
-        named = await asyncio.to_thread(deserialize_named_tensors, payload)
+        named = await off_engine_thread(deserialize_named_tensors, payload)
         tensors = dict(named)
         if len(tensors) != len(named):
             raise TensorPayloadError("the payload names a tensor twice")

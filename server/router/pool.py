@@ -31,7 +31,7 @@ from server.router.config import PoolConfig
 from server.router.health import HealthMonitor
 from server.router.placement import Placement
 from server.router.replica import Replica
-from server.router.rolling import RollingUpdater, from_disk
+from server.router.rolling import RollingUpdater, Split, from_disk
 from server.weight_delta import WeightDelta
 
 __all__ = ["EnginePool", "PoolConfig"]  # PoolConfig lives in config.py; importable from here as before
@@ -93,7 +93,11 @@ class EnginePool:
     # ---- the Engine interface ----
 
     def model_info(self) -> ModelInfo:
-        for replica in sorted(self.replicas.values(), key=lambda r: not r.healthy):
+        split = self.updater.split
+        # A healthy replica on the pool's own weights first (a base canary's replicas serve others).
+        for replica in sorted(
+            self.replicas.values(), key=lambda r: (not r.healthy, split is not None and r.name in split.replicas)
+        ):
             try:
                 return replica.client.model_info()
             except EngineUnavailable:
@@ -111,8 +115,13 @@ class EnginePool:
         stream: bool = True,
         priority: int = DEFAULT_PRIORITY,
         adapter: AdapterRef | None = None,
+        weight_version: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         tried: set[str] = set()
+        # While a base canary splits the pool, the request keeps to its side's replicas (any, when
+        # none of them is in rotation: serving comes first; the chunks say which weights answered).
+        side = self.updater.serving(weight_version)
+        other_side = set(self.replicas) - side if side and any(self.replicas[n].healthy for n in side) else set()
         failures: list[EngineError] = []
         options: dict[str, Any] = {
             "session_key": session_key,
@@ -125,7 +134,9 @@ class EnginePool:
         # A scope's requests keep to the replicas where its adapter is resident.
         affinity = (adapter.scope or adapter.key) if adapter is not None else session_key
         while True:
-            replica = self.placement.choose(self.replicas.values(), affinity, exclude=tried, failures=failures)
+            replica = self.placement.choose(
+                self.replicas.values(), affinity, exclude=tried | other_side, failures=failures
+            )
             tried.add(replica.name)
             attempt = self._attempt(replica, input_ids, sampling, options)
             delivered = False
@@ -234,6 +245,18 @@ class EnginePool:
         ``model_path``, the same weights on disk, is what returning replicas load afterwards.
         """
         await self.updater.update_together(model_path, weight_version, load)
+
+    async def start_canary(self, model_path: str, weight_version: str, replicas: int) -> Split:
+        """Split the pool: ``replicas`` of it load ``model_path`` (RollingUpdater.start_split)."""
+        return await self.updater.start_split(model_path, weight_version, replicas)
+
+    async def end_canary(self, promote: bool) -> Split:
+        """End the split: the candidate everywhere (promote) or nowhere (RollingUpdater.end_split)."""
+        return await self.updater.end_split(promote)
+
+    @property
+    def canary(self) -> Split | None:
+        return self.updater.split
 
     async def flush_cache(self) -> bool:
         results = await asyncio.gather(*(r.client.flush_cache() for r in self.replicas.values() if r.healthy))

@@ -16,6 +16,7 @@ from server.schemas import ERRORS, ChatCompletionRequest
 router = APIRouter()
 
 ADAPTER_HEADER = "X-Tandem-Adapter"
+CANARY_HEADER = "X-Tandem-Canary"
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -40,8 +41,11 @@ async def create_chat_completion(
 ) -> Response:
     call = await service.accept(body, identity, session_header=x_session_id, log_fields=fields)
     await admission.charge_tokens(call.token_budget)
-    # Which adapter answered (none: the base alone); the weight version is the system_fingerprint.
+    # Which adapter answered (none: the base alone) and, inside a canary's split, which side; the
+    # weight version is the system_fingerprint.
     served_by = {ADAPTER_HEADER: call.adapter.id} if call.adapter else {}
+    if call.route.canary_id is not None:
+        served_by[CANARY_HEADER] = f"{call.route.canary_id}; arm={call.route.arm}"
     if body.stream:
         stream = await service.open_stream(call)
         return StreamingResponse(stream, media_type="text/event-stream", headers={**_STREAM_HEADERS, **served_by})

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from server.auth import CurrentIdentity, Identity, current_identity
+from server.auth import KEYLESS, CurrentIdentity, Identity, current_identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.distributed_rollout import DistributedRollouts
@@ -44,10 +44,27 @@ def app_state(kind: type[T], name: str) -> Callable[[Request], Awaitable[T]]:
     return get
 
 
-async def require_admin(identity: CurrentIdentity) -> Identity:
-    if not identity.admin:
-        raise ApiError(403, "This endpoint needs the admin key (TANDEM_ADMIN_KEY).", code="admin_required")
-    return identity
+ADMIN_KEY_HINT = (
+    "the admin key (TANDEM_ADMIN_KEY; on a quick-start server without one, the key in the dashboard "
+    "link `tandem serve` printed at start)"
+)
+
+
+async def require_admin(request: Request, identity: CurrentIdentity) -> Identity:
+    """The caller holds the admin key: 401 without a key or with a wrong one, 403 with a tenant's key."""
+    if identity.admin:
+        return identity
+    if identity is KEYLESS:  # the keyless quick start asks clients for no key, but admin needs one
+        _scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+        if key.strip():
+            raise ApiError(401, f"Incorrect admin key: this endpoint needs {ADMIN_KEY_HINT}.", code="invalid_api_key")
+        raise ApiError(
+            401,
+            f"This endpoint needs {ADMIN_KEY_HINT}, passed as 'Authorization: Bearer <key>'.",
+            code="missing_api_key",
+        )
+    message = "This endpoint needs the admin key (TANDEM_ADMIN_KEY), not a tenant's API key."
+    raise ApiError(403, message, code="admin_required")
 
 
 async def log_fields(request: Request) -> dict[str, Any]:
@@ -125,4 +142,4 @@ async def authenticate_first(request: Request) -> None:
         return
     identity = await current_identity(request)
     if require_admin in calls:
-        await require_admin(identity)
+        await require_admin(request, identity)

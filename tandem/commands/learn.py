@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -135,7 +136,7 @@ def learn_command(
         errors.print(f"[red]round {result.round_id} failed; serving unchanged: {result.error}[/red]", soft_wrap=True)
         raise typer.Exit(code=1)
     if result.status == "nothing_to_learn":
-        console.print(f"round {result.round_id}: nothing to learn (no new feedback since {result.watermark_from})")
+        console.print(f"round {result.round_id}: nothing to learn ({result.reason}); no version made", soft_wrap=True)
         return
     rollouts = result.metrics.get("rollout/raw_reward_mean")
     rewards = f"reward mean {result.reward_mean:+.3f}" + (
@@ -144,10 +145,12 @@ def learn_command(
     if result.status == "rollout_only":
         console.print(f"round {result.round_id}: {result.samples} samples, {rewards}; rollout only, nothing trained")
         return
-    outcome = (
-        f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s"
-        if result.status == "succeeded"
-        else f"version {result.version_id} held back as a candidate: {result.metrics.get('eval/reason', '')}"
+    outcomes = {
+        "succeeded": f"new version {result.version_id} serving, swap {result.seconds.get('swap', 0.0):.2f} s",
+        "canary": f"new version {result.version_id} in canary: live ratings decide (/admin/canaries)",
+    }
+    outcome = outcomes.get(
+        result.status, f"version {result.version_id} held back as a candidate: {result.metrics.get('eval/reason', '')}"
     )
     console.print(
         f"round {result.round_id}: {result.samples} samples, {rewards}, {outcome}",
@@ -155,6 +158,22 @@ def learn_command(
     )
     if "guard/passed" in result.metrics:
         console.print(_guard_line(result.metrics), soft_wrap=True)
+    unchecked = _unchecked_preference(str(result.metrics.get("eval/reason", "")))
+    if unchecked:
+        console.print(f"[yellow]{unchecked}[/yellow]", soft_wrap=True)
+
+
+def _unchecked_preference(reason: str) -> str | None:
+    """A warning when the gate could not compare candidate and serving on ratings (a small deployment's
+    normal state, which would otherwise pass unnoticed)."""
+    found = re.search(r"(?:promoted without evaluation|preference not evaluated): ([^;]+)", reason)
+    if found is None:
+        return None
+    return (
+        f"evaluation gate: the preference margin was not checked ({found.group(1)}): the version was judged "
+        "by the capability guard alone. Held-out ratings (TANDEM_EVAL_HOLDOUT_FRACTION of prompts) or an eval "
+        "prompts file (TANDEM_EVAL_PROMPTS) let it compare answers (docs/evaluation.md)."
+    )
 
 
 def _guard_line(metrics: dict[str, Any]) -> str:
@@ -178,7 +197,10 @@ def _personal_round(config: PersonalRoundConfig) -> None:
             line = f"{result.scope_kind} {result.tenant_id}/{result.scope}: {result.status}"
             detail = f" adapter {result.adapter_id}, {result.samples} samples, {result.seconds:.1f} s"
             why = f": {result.error}" if result.status == "held_back" else ""
-            console.print(line + (detail + why if result.adapter_id else f" {result.error or ''}"), soft_wrap=True)
+            console.print(
+                line + (detail + why if result.adapter_id else f" {result.error or result.reason or ''}"),
+                soft_wrap=True,
+            )
             status.update("training the next scope")
 
         try:
@@ -188,9 +210,10 @@ def _personal_round(config: PersonalRoundConfig) -> None:
             raise typer.Exit(code=1) from exc
     failed = [s for s in result.scopes if s.status == "failed"]
     held = [s for s in result.scopes if s.status == "held_back"]
+    canaries = [s for s in result.scopes if s.status == "canary"]
     console.print(
         f"personal round over base {result.base_version}: {len(result.trained)} adapters serving, "
-        f"{len(held)} held back by evaluation, {len(failed)} failed, {len(result.scopes)} scopes due, "
+        f"{len(canaries)} in canary, {len(held)} held back by evaluation, {len(failed)} failed, {len(result.scopes)} scopes due, "
         f"{result.seconds:.1f} s"
     )
     if failed:

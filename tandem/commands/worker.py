@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import warnings
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -51,6 +52,7 @@ def worker_command(
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     log.info("learner worker starting", extra={"server": server_url, "broker": broker, "beat": beat})
+    _say_root_once()
     worker: Any = app.Worker(
         hostname=f"learner-{os.getpid()}@{socket.gethostname()}",
         pool="solo" if concurrency == 1 else "prefork",
@@ -105,6 +107,19 @@ def _learner_app(command: str, server: str | None, log_level: str | None) -> tup
         errors.print(f"[red]tandem {command}: cannot reach the broker {broker}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(code=2) from exc
     return settings, app, server_url, broker
+
+
+def _say_root_once() -> None:
+    """Celery's nine-line root warning is about pickle, which lets a broker message run code as root.
+    This worker accepts JSON only (``learner.celery_app``): one line says what is left of the risk."""
+    if os.geteuid() != 0:
+        return
+    from celery.exceptions import SecurityWarning
+
+    warnings.filterwarnings("ignore", category=SecurityWarning, message="You're running the worker with superuser")
+    log.warning(
+        "the learner worker runs as root; its tasks are JSON only, but a user of its own is safer in production"
+    )
 
 
 def _configure_worker_logging(settings: Settings) -> None:

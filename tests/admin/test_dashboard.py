@@ -41,6 +41,7 @@ class Seed:
     v3: str  # candidate
     succeeded_round: str
     failed_round: str
+    idle_round: str
 
 
 def admin(gateway: Gateway, method: str, path: str, **kwargs: Any) -> Any:
@@ -118,7 +119,12 @@ def seed_database(gateway: Gateway, scratch: Path) -> Seed:
     with sessions.begin() as session:
         bad = start_round(session, model=model, worker_id="dashboard-test")
         finish_round(session, round_id=bad.id, status="failed", error="Traceback ...\nRuntimeError: out of memory")
-    return Seed("dash-v1", "dash-v2", "dash-v3", ok.id, bad.id)
+    with sessions.begin() as session:
+        idle = start_round(session, model=model, worker_id="dashboard-test")
+        finish_round(
+            session, round_id=idle.id, status="nothing_to_learn", watermark_to=7, reason="every advantage is zero"
+        )
+    return Seed("dash-v1", "dash-v2", "dash-v3", ok.id, bad.id, idle.id)
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +198,12 @@ def test_ratings_per_version_api(gateway: Gateway, seed: Seed) -> None:
 
 def test_sign_in_refuses_a_wrong_key_and_a_tenant_key(page: Page, gateway: Gateway) -> None:
     sign_in(page, gateway, "not-the-key")
-    expect(page.locator("#login-error")).to_have_text("Wrong admin key: the server refused it.")
+    expect(page.locator("#login-error")).to_contain_text("That is not the admin key. It is TANDEM_ADMIN_KEY")
     expect(page.locator("#dashboard")).to_be_hidden()
     shot(page, "01-wrong-key")
     page.fill("#admin-key", gateway.keys["acme"])
     page.click("#login-form button[type=submit]")
-    expect(page.locator("#login-error")).to_contain_text("That is not the admin key")
+    expect(page.locator("#login-error")).to_contain_text("That is a tenant's API key")
     assert page.evaluate("sessionStorage.length") == 0
 
 
@@ -222,6 +228,7 @@ def test_dashboard_shows_the_seeded_data_and_refreshes(page: Page, gateway: Gate
     succeeded = row(page, "run-rows", seed.succeeded_round)
     expect(succeeded).to_contain_text(re.compile(r"succeeded\s*manual.*4 / 5\s*0\.4321\s*0\.250\s*" + seed.v2))
     expect(row(page, "run-rows", seed.failed_round)).to_contain_text("failedRuntimeError: out of memory")
+    expect(row(page, "run-rows", seed.idle_round)).to_contain_text("nothing to learnevery advantage is zero")
 
     engine = page.locator("#engine-rows tr")
     expect(engine).to_have_count(1)
@@ -351,6 +358,14 @@ def test_create_disable_and_run_a_schedule_from_the_page(page: Page, gateway: Ga
     fired = schedules_named(gateway, "dash-nightly")[0]["last_fired_at"]
     assert fired is not None
     expect(nightly_row).to_contain_text(utc_text(fired), timeout=WAIT_MS)
+    # A round it fires names it (a worker would start it; none runs here), and every time says its zone.
+    with gateway.sessions().begin() as session:
+        scheduled = start_round(
+            session, model=gateway.model, worker_id="dashboard-test-3", trigger="schedule", schedule_id=nightly["id"]
+        )
+        finish_round(session, round_id=scheduled.id, status="failed", error="stopped by the dashboard test")
+    expect(row(page, "run-rows", scheduled.id)).to_contain_text("schedule dash-nightly", timeout=WAIT_MS)
+    expect(nightly_row).to_contain_text(f"{utc_text(fired)} UTC")
     shot(page, "05-schedules")
 
 
@@ -367,14 +382,16 @@ def test_the_guards_verdicts_show_on_the_page(page: Page, gateway: Gateway, seed
             session,
             version_id=seed.v3,
             status="candidate",
-            reason="held back by the capability guard: kl_to_root 1.860 (must be <= 0.500)",
-            evaluation={"checks": checks},
+            reason="held back by the capability guard: kl_to_root 1.860 (must be <= 0.200)",
+            evaluation={"checks": checks, "skipped": "the eval set is empty"},
         )
         paused = create_schedule(session, {"name": "drifting-hourly", "enabled": True, **schedule_fields})
         pause_schedule(session, paused.id, "round r7: training drifted: step 2: KL to the lineage root 1.2 > 1")
     sign_in(page, gateway)
     version = row(page, "model-rows", seed.v3)
     expect(version).to_contain_text("guard: 1 of 2 checks failed", timeout=WAIT_MS)
+    # The preference margin was not checked: said, not silent.
+    expect(version.locator(".warn")).to_have_text("preference not checked: the eval set is empty")
     version.locator("details.guard summary").click()
     failed = version.locator("table.checks tr.failed")
     expect(failed).to_have_count(1)

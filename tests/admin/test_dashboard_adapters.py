@@ -102,3 +102,35 @@ def test_the_dashboard_draws_a_scopes_learning_curve(
     finally:
         context.close()
     assert errors == []
+
+
+def test_the_dashboard_shows_a_running_canary_and_rolls_it_back(
+    browser: Browser, gateway: Gateway, adapters: tuple[str, str], tmp_path: Path
+) -> None:
+    folder = make_adapter(tiny_model_path(), tmp_path / "three", seed=3, targets=["q_proj"])
+    body = {"tenant_id": "acme", "scope_kind": "user", "scope": USER, "checkpoint_path": str(folder)}
+    candidate = admin(gateway, "POST", "/admin/adapters", json=body)["id"]
+    canary = admin(gateway, "POST", f"/admin/adapters/{candidate}/canary", json={"share": 0.25})["canary"]["id"]
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, timezone_id="UTC")
+    page: Page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        sign_in(page, gateway)
+        row = page.locator(f"#canary-rows tr[data-id='{canary}']")
+        expect(row).to_contain_text("running", timeout=WAIT_MS)
+        expect(row).to_contain_text(candidate)
+        expect(row).to_contain_text(adapters[1])  # the control: what serves ann now
+        expect(row).to_contain_text("25 %")
+        shot(page, "canary-running")
+        row.get_by_role("button", name="Roll back").click()
+        page.fill("#reason-input", "not this one")
+        page.click("#reason-dialog button[value=confirm]")
+        expect(page.locator("#banner")).to_contain_text(f"Canary {canary} rolled back.", timeout=WAIT_MS)
+        expect(row).to_contain_text("rolled_back", timeout=WAIT_MS)
+        expect(row).to_contain_text("not this one")
+        expect(row.get_by_role("button")).to_have_count(0)
+    finally:
+        context.close()
+    assert errors == []
+    assert admin(gateway, "GET", f"/admin/adapters/{candidate}")["status"] == "rejected"

@@ -98,6 +98,7 @@ def test_export_then_delete(gateway: Gateway) -> None:
         "completions": 2,
         "sessions": 1,
         "end_users": 1,
+        "canaries": 0,  # deleting a user's canaries: tests/admin/test_canaries.py
         "adapters": 0,  # deleting a user's adapters: tests/admin/test_adapters.py
         "cohort_members": 0,
     }

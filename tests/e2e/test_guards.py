@@ -67,7 +67,7 @@ def test_a_reward_for_short_answers_is_hacked_and_the_guard_holds_the_candidate_
     reason = result.metrics["eval/reason"]
     assert reason.startswith("held back by the capability guard: ")
     # Four steps at a high rate on a reward blind to content: the policy left the root far behind
-    # (measured: KL 1.86 per token, bound 0.5) and lost 0.96 nats per token on the reference answers
+    # (measured: KL 1.86 per token, bound 0.2) and lost 0.96 nats per token on the reference answers
     # (bound 0.3). The random model's answers were gibberish before and stay so: no degeneration
     # check can see this collapse, the KL and the reference answers do.
     assert "kl_to_root" in reason and "reference_loglik" in reason
@@ -80,7 +80,7 @@ def test_a_taste_that_keeps_answers_whole_passes_the_guard(gateway: Gateway, tmp
     assert result.status == "succeeded", (result.status, result.error, result.metrics.get("eval/reason"))
     assert result.metrics["guard/passed"] == 1.0
     # It moved (measured KL 0.016 per token, reference answers -7.628 against -7.625), far inside the bounds.
-    assert 0 < result.metrics["guard/kl_to_root"] < GUARD.max_kl / 10
+    assert 0 < result.metrics["guard/kl_to_root"] < GUARD.max_kl / 4
     assert result.metrics["eval/reason"].endswith("capability guard passed (8 checks)")
     assert serving(gateway)["weight_version"] == result.version_id
 

@@ -163,6 +163,27 @@ def test_round_learns_and_swaps_without_a_failed_request(
     assert serving(gateway)["weight_version"] == version
 
 
+def test_a_round_that_cannot_change_the_policy_makes_no_version(fresh_gateway: Gateway, tmp_path: Path) -> None:
+    """One rating is its own user's baseline: its advantage is zero, so training would copy the weights.
+    The round says so, makes no version and consumes the rating (the next round does not see it again)."""
+    gateway = fresh_gateway
+    chat_and_rate(gateway, [("Say hi.", "up")], user="lone")
+    result = run_round(round_config(gateway, tmp_path))
+    assert result.status == "nothing_to_learn" and result.version_id is None, result
+    assert result.reason and result.reason.startswith("every advantage is zero (1 samples)")
+    assert "train" not in result.seconds and serving(gateway)["version"] is None
+    run = httpx.get(f"{gateway.url}/admin/runs/{result.round_id}", headers=ADMIN).json()
+    assert run["status"] == "nothing_to_learn" and run["reason"] == result.reason
+    assert run["produced_version_id"] is None and run["watermark"]["to"] == result.watermark_to > 0
+    listed = httpx.get(f"{gateway.url}/admin/runs", params={"status": "nothing_to_learn"}, headers=ADMIN).json()
+    assert [r["reason"] for r in listed["data"]] == [result.reason]
+    again = run_round(round_config(gateway, tmp_path))
+    assert again.watermark_from == result.watermark_to
+    assert again.reason == f"no new ratings since watermark {result.watermark_to}"
+    with gateway.sessions()() as session:
+        assert list_versions(session, model=gateway.model) == ()
+
+
 def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path: Path) -> None:
     chat_and_rate(gateway, [("Is water wet?", "up"), ("Is fire cold?", "down")])
     before = serving(gateway)
@@ -182,6 +203,20 @@ def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path
     assert retry.status == "succeeded" and retry.samples == 2
     assert retry.watermark_from == result.watermark_from
     assert retry.parent_version_id == (before["version"]["id"] if before["version"] else None)
+
+
+def test_a_canary_share_without_an_engine_pool_keeps_the_version_a_candidate(gateway: Gateway, tmp_path: Path) -> None:
+    """A base canary needs replicas to split (tests/e2e/test_base_canary.py); one engine refuses it."""
+    chat_and_rate(gateway, [("Is ice cold?", "up"), ("Is ice hot?", "down")])
+    before = serving(gateway)
+    result = run_round(round_config(gateway, tmp_path, canary_share=0.5))
+    assert result.status == "failed" and "needs an engine pool" in (result.error or ""), result.error
+    assert serving(gateway) == before
+    with gateway.sessions()() as session:
+        [version] = [v for v in list_versions(session, model=gateway.model) if v.id in (result.error or "")]
+    assert version.status == "candidate" and "engine pool" in (version.status_reason or "")
+    # The ratings are still there for the next round (the tests after this one count theirs).
+    assert run_round(round_config(gateway, tmp_path)).samples == 2
 
 
 def test_rollout_only_saves_a_replayable_batch_and_metrics_follow_trained_rounds(
@@ -228,7 +263,9 @@ def test_rollout_round_trains_on_real_groups(gateway: Gateway, tmp_path: Path) -
 
 def test_reward_model_is_used_only_when_trusted(gateway: Gateway, tmp_path: Path) -> None:
     questions = [f"Question number {i}?" for i in range(18)]
-    chat_and_rate(gateway, [(q, "up" if i % 3 else "down") for i, q in enumerate(questions * 2)])
+    # Each question twice, rated differently for a quarter of them: the same rating twice would be its
+    # own group's baseline (zero advantage everywhere: nothing to learn).
+    chat_and_rate(gateway, [(q, "up" if i % 4 else "down") for i, q in enumerate(questions * 2)])
     rollout = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=8, seed=3)
     strict = RewardModelConfig(min_quality=1.01)  # no fit can reach it: the round falls back to feedback
     fallback = run_round(round_config(gateway, tmp_path, reward="reward_model", reward_model=strict, rollout=rollout))

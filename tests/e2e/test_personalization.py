@@ -210,6 +210,27 @@ def test_the_gate_holds_back_an_adapter_worse_than_what_serves_the_scope(
         assert served == row.id
 
 
+def test_a_canary_round_serves_the_new_adapter_to_a_share_of_the_scope_first(
+    fresh_gateway: Gateway, tmp_path: Path
+) -> None:
+    gateway = fresh_gateway
+    rated_answers(gateway, "canary-user")
+    config = replace(personal_config(gateway, tmp_path / "checkpoints", "user"), canary_share=0.5)
+    (scope,) = run_personal_round(config).scopes
+    assert scope.status == "canary", scope.error
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    listed = httpx.get(f"{gateway.url}/admin/canaries", headers=admin, params={"status": "running"}, timeout=30)
+    [canary] = [c for c in listed.json()["data"] if c["scope"] == "canary-user"]
+    assert canary["candidate_id"] == scope.adapter_id and canary["control_id"] is None and canary["share"] == 0.5
+    with gateway.sessions()() as session:
+        assert get_adapter(session, adapter_id=scope.adapter_id or "").status == "candidate"
+    raw = gateway.client(gateway.keys[TENANT]).chat.completions.with_raw_response.create(
+        model=gateway.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, user="canary-user"
+    )
+    arm = raw.headers["x-tandem-canary"].removeprefix(f"{canary['id']}; arm=")
+    assert raw.headers.get("x-tandem-adapter") == (scope.adapter_id if arm == "canary" else None), arm
+
+
 # The directional proof's settings. A taste of letters is a choice of output tokens: the adapter must
 # reach the output layer (lm_head), as full-weight rounds do; over the attention and MLP projections
 # alone, measured on 2026-12-05 over 8 rounds, neither taste was learnt (every cohort's answers,

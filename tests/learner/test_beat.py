@@ -28,13 +28,6 @@ from tests.support.learner_queue import REDIS, redis_prefix, sent_tasks
 
 
 @pytest.fixture
-def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
-    db = make_engine(database_url)
-    yield make_session_factory(db)
-    db.dispose()
-
-
-@pytest.fixture
 def prefix() -> Iterator[str]:
     with redis_prefix() as prefix:
         yield prefix

@@ -40,7 +40,7 @@ def test_needs_the_admin_key(gateway: Gateway, method: str) -> None:
     forbidden = httpx.request(method, f"{gateway.url}/admin/weights", json=body, headers=tenant)
     assert forbidden.status_code == 403
     assert forbidden.json()["error"] == {
-        "message": "This endpoint needs the admin key (TANDEM_ADMIN_KEY).",
+        "message": "This endpoint needs the admin key (TANDEM_ADMIN_KEY), not a tenant's API key.",
         "type": "permission_error",
         "param": None,
         "code": "admin_required",

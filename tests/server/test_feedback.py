@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 import openai
@@ -36,6 +37,10 @@ def test_rating_again_updates_and_keeps_history(client: OpenAI, gateway: Gateway
         "up",
     )
     assert first["revision"] == 1 and len(first["history"]) == 1
+    # One timestamp format throughout: ISO 8601 with its offset, like the history's events.
+    for stamp in (first["created_at"], first["history"][0]["created_at"]):
+        assert datetime.fromisoformat(stamp).utcoffset() == timedelta(0), stamp
+    assert datetime.fromisoformat(first["created_at"]) == datetime.fromisoformat(first["history"][0]["created_at"])
     second = rate(client, completion_id=completion_id, rating="down", comment="wrong", corrected_answer="It is 5.")
     assert second["score"] == -1.0 and second["revision"] == 2
     assert [e["rating"] for e in second["history"]] == ["up", "down"]
@@ -78,6 +83,7 @@ def test_feedback_right_after_the_completion(client: OpenAI, gateway: Gateway) -
         {"score": -1.01},
         {"rating": "up", "choice_index": -1},
         {"rating": "up", "comment": 5},
+        {"rating": "up", "index": 1},  # a misspelt choice_index must not rate choice 0
     ],
 )
 def test_bad_feedback_is_400(client: OpenAI, gateway: Gateway, body: dict[str, Any]) -> None:

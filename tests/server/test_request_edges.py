@@ -3,12 +3,15 @@ methods the path does support."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
 import pytest
 
+from tandem.logging import REQUEST_LOGGER
 from tests.server.conftest import ADMIN_KEY, Gateway
+from tests.support.polling import wait_until
 
 BAD_BODIES: list[tuple[str, Any]] = [
     ("/admin/keys", {"tenant": 5}),
@@ -70,3 +73,48 @@ def test_405_allows_every_method_of_the_path(gateway: Gateway, method: str, path
     response = httpx.request(method, gateway.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert response.status_code == 405, response.text
     assert {m.strip() for m in response.headers["allow"].split(",")} == allowed
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "application/x-www-form-urlencoded", "application/json; charset=utf-8"],
+    ids=["none", "curl -d's form label", "json"],
+)
+def test_a_json_body_is_read_whatever_its_content_type_says(gateway: Gateway, content_type: str | None) -> None:
+    """`curl -d '{...}'` without -H 'Content-Type: application/json' works as the docs' examples do."""
+    headers = {"Authorization": f"Bearer {gateway.keys['acme']}"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    body = f'{{"model": "{gateway.model}", "messages": [{{"role": "user", "content": "Hi"}}], "max_tokens": 1}}'
+    request = httpx.Request("POST", f"{gateway.url}/v1/chat/completions", content=body.encode(), headers=headers)
+    assert request.headers.get("Content-Type") == content_type  # httpx adds none for raw bytes
+    response = httpx.Client(timeout=60).send(request)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "chat.completion"
+
+
+def test_a_body_declared_as_something_else_is_still_refused(gateway: Gateway) -> None:
+    headers = {"Authorization": f"Bearer {gateway.keys['acme']}", "Content-Type": "text/plain"}
+    response = httpx.post(
+        f"{gateway.url}/v1/feedback", content=b'{"completion_id": "x", "rating": "up"}', headers=headers, timeout=30
+    )
+    assert response.status_code == 400, response.text
+
+
+def test_polled_reads_are_debug_lines_and_the_rest_info(gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    """The learner reads /admin/weights every few seconds: at INFO it was a third of the log."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with caplog.at_level(logging.DEBUG, logger=REQUEST_LOGGER):
+        assert httpx.get(f"{gateway.url}/admin/weights", headers=admin, timeout=30).status_code == 200
+        assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{gateway.url}/admin/weights", timeout=30).status_code == 401
+        assert httpx.get(f"{gateway.url}/admin/engines", headers=admin, timeout=30).status_code == 200
+        wait_until(lambda: len(_request_lines(caplog)) >= 4, timeout_s=10, what="the four request lines")
+    levels = {(r.path, r.status): r.levelname for r in _request_lines(caplog)}  # type: ignore[attr-defined]
+    assert levels[("/admin/weights", 200)] == "DEBUG" and levels[("/health", 200)] == "DEBUG"
+    assert levels[("/admin/weights", 401)] == "INFO"  # a refused read is worth seeing
+    assert levels[("/admin/engines", 200)] == "INFO"
+
+
+def _request_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == REQUEST_LOGGER]

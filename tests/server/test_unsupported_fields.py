@@ -47,3 +47,27 @@ def test_unsupported_fields_are_400_naming_the_field(gateway: Gateway, fields: d
 def test_fields_that_change_nothing_are_accepted(gateway: Gateway, fields: dict[str, Any]) -> None:
     response = chat(gateway, **fields)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+    ],
+    ids=lambda part: part["type"],
+)
+def test_a_non_text_content_part_is_one_clear_400(gateway: Gateway, part: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    response = chat(gateway, messages=messages)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.user.content", error
+    assert "this model takes text only" in error["message"] and repr(part["type"]) in error["message"]
+    assert "more problems" not in error["message"]  # one error, not the union's list
+
+
+def test_text_parts_are_read(gateway: Gateway) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": " hi."}]}]
+    assert chat(gateway, messages=messages).status_code == 200

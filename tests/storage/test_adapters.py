@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy.exc import IntegrityError
@@ -21,24 +20,7 @@ from storage import (
     set_adapter_status,
     set_cohort,
 )
-from storage.db import make_engine, make_session_factory
 from storage.models import Adapter
-from storage.tenants import ensure_tenant
-
-
-@pytest.fixture
-def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(database_url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def tenant(sessions: sessionmaker[Session]) -> str:
-    tenant_id = f"t-{uuid.uuid4().hex[:8]}"
-    with sessions.begin() as session:
-        ensure_tenant(session, tenant_id)
-    return tenant_id
 
 
 def add(sessions: sessionmaker[Session], tenant: str, scope: str, kind: str = "user", model: str = "m") -> str:

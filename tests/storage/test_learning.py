@@ -215,9 +215,21 @@ def test_round_lifecycle(engine: Engine) -> None:
         assert failed.watermark_from == 42
         failed = finish_round(session, round_id=failed.id, status="failed", error="OOM", watermark_to=99)
         assert failed.error == "OOM" and last_watermark(session, model=model) == 42  # only success moves it
+        idle = start_round(session, model=model, worker_id="w3")
+        with pytest.raises(ValueError, match="needs the reason"):
+            finish_round(session, round_id=idle.id, status="nothing_to_learn", watermark_to=50)
+        idle = finish_round(
+            session, round_id=idle.id, status="nothing_to_learn", watermark_to=50, reason="every advantage is zero"
+        )
+        assert (idle.status, idle.reason, idle.produced_version_id) == (
+            "nothing_to_learn",
+            "every advantage is zero",
+            None,
+        )
+        assert last_watermark(session, model=model) == 50  # its data was consumed: the next round starts after it
         cancelled = cancel_round(session, round_id=queue_round(session, model=model, trigger="manual").id)
         assert cancelled.status == "cancelled"
-        assert [r.id for r in list_rounds(session, model=model)] == [cancelled.id, failed.id, started.id]
+        assert [r.id for r in list_rounds(session, model=model)] == [cancelled.id, idle.id, failed.id, started.id]
         assert [r.id for r in list_rounds(session, model=model, status="failed")] == [failed.id]
         with pytest.raises(NotFoundError):
             get_round(session, round_id="nope")

@@ -128,6 +128,7 @@ def test_deleted_data_never_reaches_a_later_round(engine: Engine) -> None:
         "completions": 3,
         "sessions": 1,
         "end_users": 1,
+        "canaries": 0,
         "adapters": 0,
         "cohort_members": 0,
     }

@@ -42,10 +42,12 @@ from server.engines.base import (
 )
 from server.engines.local.lora import Adapter, AdapterCache
 from server.engines.local.model_runner import ModelRunner
+from server.engines.local.packed_linear import pack_linears
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.scheduler import Scheduler
 from server.engines.local.sequence import Sequence
 from server.engines.local.served_weights import ServedWeights
+from server.engines.local.torch_threads import off_engine_thread
 from server.engines.local.weights import load_model
 from server.weight_delta import WeightDelta
 
@@ -72,10 +74,13 @@ class LocalEngine:
         prefix_cache_bytes: int = 256 << 20,
         adapter_cache_bytes: int = 256 << 20,
         torch_threads: int = 0,
+        packed_linears: bool = True,
         replica: str = "local-0",
     ) -> None:
         self.replica = replica
         self._model = model
+        # The rows oneDNN packs the linear weights for; 0: they stay plain (off, or not on the CPU).
+        self._pack_rows = max_batch_size if packed_linears and model.device.type == "cpu" else 0
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
         self._torch_threads = torch_threads
@@ -108,15 +113,14 @@ class LocalEngine:
         torch_threads: int = 0,
         **kwargs: Any,
     ) -> LocalEngine:
-        """Load the model off the event loop and start the engine thread."""
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        """Load the model off the event loop and start the engine thread (``torch_threads``: its torch
+        threads; 0 = torch's default)."""
 
         def load() -> tuple[PreTrainedModel, Any]:
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             return load_model(model_path, device=device, dtype=DTYPES[dtype]), tokenizer
 
-        model, tokenizer = await asyncio.to_thread(load)
+        model, tokenizer = await off_engine_thread(load)
         kwargs.setdefault("served_model_name", Path(model_path).name)
         return cls(model, tokenizer, model_path=str(model_path), torch_threads=torch_threads, **kwargs)
 
@@ -142,6 +146,7 @@ class LocalEngine:
         stream: bool = True,  # a transport hint for HTTP backends; in-process chunks cost nothing
         priority: int = DEFAULT_PRIORITY,
         adapter: AdapterRef | None = None,
+        weight_version: str | None = None,  # one set of weights here: whatever serves answers
     ) -> AsyncIterator[TokenChunk]:
         self._runner.check_prompt(input_ids)
         loaded = await self.load_adapter(adapter) if adapter is not None else None
@@ -174,7 +179,7 @@ class LocalEngine:
     async def load_adapter(self, adapter: AdapterRef) -> Adapter:
         """``adapter`` in the cache; a miss reads its folder on a worker thread, while the engine
         thread keeps decoding everyone else."""
-        return await asyncio.to_thread(self.adapters.get, adapter.key, Path(adapter.path), self._model)
+        return await off_engine_thread(self.adapters.get, adapter.key, Path(adapter.path), self._model)
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -251,6 +256,8 @@ class LocalEngine:
     def _loop(self) -> None:
         if self._torch_threads:
             torch.set_num_threads(self._torch_threads)
+        if self._pack_rows:  # here: packing runs torch kernels (server.engines.local.torch_threads)
+            pack_linears(self._model, rows_hint=self._pack_rows)
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -6,7 +6,6 @@ into the model then runs on the engine thread between two steps, so no request s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from server.engines.local.torch_threads import off_engine_thread
 from server.engines.local.weights import (
     WeightLoadError,
     check_bucket,
@@ -54,7 +54,7 @@ class ServedWeights:
         self._swaps = 0  # swaps so far: a delta prepared before one must not be applied after it
 
     async def load_checkpoint(self, model_path: str, version: str) -> None:
-        tensors = await asyncio.to_thread(read_state_dict, Path(model_path))
+        tensors = await off_engine_thread(read_state_dict, Path(model_path))
         check_compatible(self._model, tensors)
         await self._between_steps(lambda: self._swap(tensors, model_path, version))
         log.info("weights updated", extra={"model_path": model_path, "weight_version": version})
@@ -72,7 +72,7 @@ class ServedWeights:
         # The swap refuses if another swap changed the weights while these were computed.
         swaps = self._swaps
         params = self._model.state_dict()
-        changed = await asyncio.to_thread(delta.apply, params.get)
+        changed = await off_engine_thread(delta.apply, params.get)
         await self._between_steps(lambda: self._swap(changed, model_path, version, after=swaps))
         log.info(
             "weights updated from a delta",

@@ -81,7 +81,7 @@ def test_a_collapsed_candidate_is_held_back_naming_each_failed_check() -> None:
     reason = failed_checks(run_checks(collapsed, HEALTHY, GuardConfig()))
     assert reason is not None
     assert reason.startswith("held back by the capability guard: ")
-    assert "kl_to_root 2.000 (must be <= 0.500)" in reason
+    assert "kl_to_root 2.000 (must be <= 0.200)" in reason
     assert "length_ratio 0.075 (must be >= 0.500)" in reason
     assert "echo_rate 0.500 (must be <= 0.100, serving 0.000)" in reason
     assert "reference_loglik -2.500 (must be >= -2.300, serving -2.000)" in reason

@@ -81,3 +81,59 @@ async def test_a_load_together_that_leaves_one_replica_behind_rolls_all_back(
     assert updater.target == (str(tiny_model), "default")
     assert versions(replicas) == {"default"}
     assert all(r.healthy and not r.draining for r in replicas.values())
+
+
+def version_of(replicas: dict[str, Replica], name: str) -> str:
+    return replicas[name].client.model_info().weight_version
+
+
+async def test_a_split_serves_the_candidate_on_part_of_the_pool_until_it_ends(
+    replicas: dict[str, Replica], updater: RollingUpdater, tiny_model: Path, perturbed_model: Path
+) -> None:
+    first, second = list(replicas)
+    assert updater.serving("v-canary") is None  # not split: any replica serves
+    split = await updater.start_split(str(perturbed_model), "v-canary", replicas=5)  # at most all but one
+    assert split.replicas == {second} and updater.split == split
+    assert (version_of(replicas, first), version_of(replicas, second)) == ("default", "v-canary")
+    assert updater.serving("v-canary") == {second} and updater.serving(None) == {first}
+    assert updater.target == (str(tiny_model), "default")
+
+    # A replica of the split that returns to rotation gets the candidate again, not the pool's weights.
+    await replicas[second].client.update_weights(str(tiny_model), "default")
+    await updater.sync(replicas[second])
+    assert version_of(replicas, second) == "v-canary"
+
+    assert await updater.end_split(promote=False) == split
+    assert versions(replicas) == {"default"} and updater.split is None
+    with pytest.raises(EngineError, match="no base canary"):
+        await updater.end_split(promote=True)
+
+    await updater.start_split(str(perturbed_model), "v-canary", replicas=1)
+    await updater.end_split(promote=True)
+    assert versions(replicas) == {"v-canary"} and updater.target == (str(perturbed_model), "v-canary")
+    await updater.roll(str(tiny_model), "default", from_disk(str(tiny_model), "default"))
+
+
+async def test_a_roll_ends_a_split_and_a_refused_candidate_leaves_none(
+    replicas: dict[str, Replica], updater: RollingUpdater, tiny_model: Path, perturbed_model: Path, tmp_path: Path
+) -> None:
+    await updater.start_split(str(perturbed_model), "v-canary", replicas=1)
+    await updater.roll(str(tiny_model), "v-rolled", from_disk(str(tiny_model), "v-rolled"))
+    assert updater.split is None and versions(replicas) == {"v-rolled"}
+    with pytest.raises(EngineError, match="refused"):
+        await updater.start_split(str(tmp_path / "missing"), "v-bad", replicas=1)
+    assert updater.split is None and versions(replicas) == {"v-rolled"}
+    await updater.roll(str(tiny_model), "default", from_disk(str(tiny_model), "default"))
+
+
+async def test_a_split_needs_two_replicas_in_rotation(
+    replicas: dict[str, Replica], updater: RollingUpdater, perturbed_model: Path
+) -> None:
+    first = next(iter(replicas.values()))
+    first.eject("a test")
+    try:
+        with pytest.raises(EngineError, match="two or more") as refused:
+            await updater.start_split(str(perturbed_model), "v-canary", replicas=1)
+        assert refused.value.status == 409 and updater.split is None
+    finally:
+        first.admit()
