@@ -357,6 +357,9 @@ class PackedMicroBatch:
     loss_mask: torch.Tensor  # [T] float32
     cu_seqlens: torch.Tensor  # [n + 1] int32
     sample_indices: tuple[int, ...]
+    # [T] float32: each position's logits are divided by its sample's ``rollout_temperature`` before
+    # scoring, as slime divides by --rollout-temperature; None when every sample's is 1.
+    temperature: torch.Tensor | None = None
 
 
 def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> PackedMicroBatch:
@@ -368,6 +371,7 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
     ids: list[int] = []
     positions: list[int] = []
     mask: list[int] = []
+    temperature: list[float] = []
     for index, (start, end) in zip(micro_batch.sample_indices, micro_batch.bounds(), strict=True):
         sample = samples[index]
         sample.validate()
@@ -378,12 +382,14 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         ids += sample.tokens
         positions += range(sample.total_length)
         mask += sequence_loss_mask(sample)
+        temperature += [sample.rollout_temperature] * sample.total_length
     return PackedMicroBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
         loss_mask=torch.tensor(mask, dtype=torch.float32),
         cu_seqlens=torch.tensor(micro_batch.cu_seqlens, dtype=torch.int32),
         sample_indices=micro_batch.sample_indices,
+        temperature=None if set(temperature) == {1.0} else torch.tensor(temperature, dtype=torch.float32),
     )
 
 

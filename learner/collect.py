@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from learner.sample import Sample, SampleStatus
+from learner.sample import Sample, SampleStatus, scored_temperature
 from storage.feedback_collect import FeedbackItem
 
 __all__ = ["feedback_sample", "feedback_samples", "learnable"]
@@ -40,6 +40,7 @@ def feedback_sample(item: FeedbackItem, *, index: int | None = None, group_index
         prompt=list(item.request_messages),
         response=item.response_text,
         rollout_log_probs=list(item.rollout_log_probs),
+        rollout_temperature=scored_temperature(item.temperature),
         weight_versions=_versions_in_order(item),
         status=SampleStatus.TRUNCATED if item.finish_reason == "length" else SampleStatus.COMPLETED,
         user_id=item.user_id,

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from learner.plugins import HookKind, Plugin, load_plugin
-from learner.sample import Sample, SampleStatus
+from learner.sample import Sample, SampleStatus, scored_temperature
 from tandem.aio import gather_or_cancel
 
 __all__ = [
@@ -213,7 +213,7 @@ async def rollout_group(
         log.warning("rollout prompt skipped: no room for a response", extra={"error": str(exc)})
         return []
     try:
-        return [_sample(prompt, choice, group_index) for choice in answer["choices"]]
+        return [_sample(prompt, choice, group_index, config.temperature) for choice in answer["choices"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise RolloutError(f"POST /admin/rollouts answered an unreadable body: {exc!r}") from exc
 
@@ -336,7 +336,7 @@ def _versions_in_order(spans: list[dict[str, Any]]) -> list[str]:
     return versions
 
 
-def _sample(prompt: Sample, choice: dict[str, Any], group_index: int) -> Sample:
+def _sample(prompt: Sample, choice: dict[str, Any], group_index: int, temperature: float) -> Sample:
     spans = list(choice["weight_versions"])
     return Sample(
         prompt_token_ids=list(prompt.prompt_token_ids),
@@ -346,6 +346,7 @@ def _sample(prompt: Sample, choice: dict[str, Any], group_index: int) -> Sample:
         response=str(choice["text"]),
         label=prompt.label,
         rollout_log_probs=[float(lp) for lp in choice["logprobs"]],
+        rollout_temperature=scored_temperature(temperature),
         weight_versions=_versions_in_order(spans),
         status=SampleStatus.TRUNCATED if choice["finish_reason"] == "length" else SampleStatus.COMPLETED,
         user_id=prompt.user_id,
@@ -364,10 +365,11 @@ def _metadata(prompt: Sample, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _fresh(prompt: Sample, group_index: int, choice_index: int) -> Sample:
-    """The prompt alone, ready for a custom generate function to fill in a response."""
+def _fresh(prompt: Sample, group_index: int, choice_index: int, temperature: float) -> Sample:
+    """The prompt alone, ready for a custom generate function to fill in a response at ``temperature``."""
     return Sample(
         prompt_token_ids=list(prompt.prompt_token_ids),
+        rollout_temperature=scored_temperature(temperature),
         group_index=group_index,
         prompt=prompt.prompt,
         label=prompt.label,
@@ -384,7 +386,7 @@ async def _plugin_group(
     params = sampling_params(config)
     samples: list[Sample] = []
     for choice_index in range(config.n_samples_per_prompt):
-        result = await plugin.call(args, _fresh(prompt, group_index, choice_index), dict(params), evaluation=False)
+        result = await plugin.call(args, _fresh(prompt, group_index, choice_index, config.temperature), dict(params), evaluation=False)
         produced = result if isinstance(result, list) else [result]
         if not produced or not all(isinstance(s, Sample) for s in produced):
             raise plugin.error(f"returned {type(result).__name__}, not a Sample or a non-empty list of them")

@@ -15,6 +15,9 @@ Where it differs, and why:
   silent off-by-n bugs. ``tokens`` and ``response_length`` are read-only properties here: a slime
   generate plugin that assigns them must assign ``prompt_token_ids`` / ``response_token_ids``.
 - The exclusion flag is ``remove`` (``remove_sample`` is an alias, read and write).
+- ``rollout_temperature`` is added: slime divides the logits by one ``--rollout-temperature`` before
+  scoring; a tandem round mixes logged answers sampled at each request's temperature with fresh
+  rollouts, so each sample carries the temperature its response was drawn at (greedy: 1).
 - ``user_id`` and ``completion_id`` are added: feedback comes from users (per-user baselines) and
   every trajectory traces back to the logged completion it came from (idempotent rounds).
 - Slotted: a misspelt attribute raises instead of silently creating a new one; per-sample extras go
@@ -30,7 +33,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Sample", "SampleError", "SampleStatus"]
+__all__ = ["Sample", "SampleError", "SampleStatus", "scored_temperature"]
+
+# Below this a temperature is greedy: engines (SGLang, the local one) then log the log-probs at 1.
+_GREEDY_BELOW = 1e-5
+
+
+def scored_temperature(temperature: float) -> float:
+    """The temperature whose distribution an engine's logged log-probs are of: the sampling
+    temperature, or 1 for a greedy request (dividing by ~0 would overflow the logits)."""
+    return temperature if temperature >= _GREEDY_BELOW else 1.0
 
 
 class SampleError(ValueError):
@@ -69,6 +81,7 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    rollout_temperature: float = 1.0  # training divides this sample's logits by it (see the module doc)
     weight_versions: list[str] = field(default_factory=list)
     status: SampleStatus = SampleStatus.PENDING
     remove: bool = False
@@ -161,6 +174,8 @@ class Sample:
             raise SampleError(
                 f"sample {self.index}: rollout_log_probs has {len(self.rollout_log_probs)} entries, response {n}"
             )
+        if not self.rollout_temperature > 0:
+            raise SampleError(f"sample {self.index}: rollout_temperature must be > 0, got {self.rollout_temperature}")
         if not isinstance(self.status, SampleStatus):
             raise SampleError(f"sample {self.index}: status must be a Sample.Status, got {self.status!r}")
 

@@ -63,6 +63,7 @@ class FeedbackItem:
     prompt_token_ids: list[int]
     response_token_ids: list[int]
     rollout_log_probs: list[float]
+    temperature: float  # the request's sampling temperature (0: greedy)
     weight_versions: tuple[WeightSpan, ...]
     response_text: str
     finish_reason: str
@@ -189,6 +190,7 @@ def _feedback_query(*, model: str, since: int, upper: int) -> Select[Any]:
             Completion.model,
             Completion.request_messages,
             Completion.prompt_token_ids,
+            Completion.sampling_params,
             Completion.created_at.label("completion_created_at"),
             CompletionChoice.token_ids,
             CompletionChoice.logprobs,
@@ -232,6 +234,7 @@ def _feedback_item(row: Row[Any]) -> FeedbackItem:
         prompt_token_ids=decode_token_ids(row.prompt_token_ids),
         response_token_ids=decode_token_ids(row.token_ids),
         rollout_log_probs=decode_logprobs(row.logprobs),
+        temperature=float(row.sampling_params.get("temperature", 1.0)),
         weight_versions=tuple(WeightSpan(**span) for span in row.weight_versions),
         response_text=row.text,
         finish_reason=row.finish_reason,

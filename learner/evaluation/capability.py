@@ -58,8 +58,16 @@ def measure(
     texts = [str(tokenizer.decode(ids, skip_special_tokens=True)) for ids in sampled]
     questions = [_question(s) for s in asked]
     stats = answer_stats(questions, texts, sampled)
-    kl_samples = [  # a held-out prompt comes with its rated answer's log-probs and mask: not these answers'
-        replace(p, response_token_ids=ids, response="", rollout_log_probs=None, loss_mask=None, reward=None)
+    kl_samples = [  # a held-out prompt comes with its rated answer's log-probs, mask and temperature: not these
+        replace(
+            p,
+            response_token_ids=ids,
+            response="",
+            rollout_log_probs=None,
+            rollout_temperature=1.0,  # _sample draws at 1
+            loss_mask=None,
+            reward=None,
+        )
         for p, ids in zip(asked, sampled, strict=True)
     ]
     kl_samples = [s for s in kl_samples if s.response_token_ids]

@@ -67,7 +67,9 @@ def _rated(samples: Sequence[Sample]) -> list[Sample]:
 
 
 def _loglik_margin(model: PreTrainedModel, rated: list[Sample], max_tokens: int) -> dict[str, float]:
-    means = [float(lp.mean()) for lp in response_log_probs(model, rated, max_tokens)]
+    # The model's own distribution (temperature 1), whatever temperature each rated answer was drawn at.
+    at_one = [replace(s, rollout_temperature=1.0) for s in rated]
+    means = [float(lp.mean()) for lp in response_log_probs(model, at_one, max_tokens)]
     liked = [m for m, s in zip(means, rated, strict=True) if s.reward_value() > 0]
     disliked = [m for m, s in zip(means, rated, strict=True) if s.reward_value() < 0]
     result = {"n": float(len(rated)), "n_liked": float(len(liked)), "n_disliked": float(len(disliked))}

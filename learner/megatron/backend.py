@@ -231,7 +231,10 @@ class MegatronPolicy:
         split = self._row_split(batch)
         logits = self._full_vocab(output)
         targets = to_device(split.targets(batch.input_ids), logits.device)
-        scores = target_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        temperature = None if batch.temperature is None else split.local(batch.temperature, fill=1)
+        scores = target_scores(
+            logits, targets, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
         row = split.gather_row(torch.stack(scores, dim=1), parallel_state.get_context_parallel_group())
         log_probs, entropy = row.unbind(1)
         return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)

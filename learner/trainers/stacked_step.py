@@ -137,6 +137,7 @@ def _slot_parts(
             loss_mask=batch.loss_mask[start:end],
             cu_seqlens=batch.cu_seqlens[k0 : k1 + 1] - start,
             sample_indices=tuple(i - first[slot] for i in batch.sample_indices[k0:k1]),
+            temperature=None if batch.temperature is None else batch.temperature[start:end],
         )
         parts.append((slot, part, (start, end)))
     return parts

@@ -63,10 +63,19 @@ def entropy_in_loss(config: TrainConfig) -> bool:
 
 
 def target_scores(
-    logits: Tensor, targets: Tensor, *, with_entropy: bool = True, entropy_grad: bool = False
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: Tensor | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Unshifted ``[T]`` float32 ``log p(targets[t])`` from ``[T, V]`` logits, with gradient, and the
-    entropy at each position: zeros unless ``with_entropy``, with gradient when ``entropy_grad``."""
+    entropy at each position: zeros unless ``with_entropy``, with gradient when ``entropy_grad``.
+    ``temperature``: ``[T]``, what each position's logits are divided by first (the distribution the
+    rollout sampled from, slime's ``logits / rollout_temperature``); None: 1."""
+    if temperature is not None:
+        logits = logits / to_device(temperature, logits.device).to(logits.dtype)[:, None]
     log_probs, entropy = target_log_probs(logits, targets, with_entropy=with_entropy and not entropy_grad)
     if entropy_grad:
         entropy = entropy_from_logits(logits)
@@ -80,14 +89,15 @@ def token_log_probs_and_entropy(
     gradient, and the ``[T]`` entropy of the distribution token t was drawn from (with gradient only
     when ``entropy_grad``); 0 at sample starts."""
     targets = to_device(batch.input_ids, logits.device).roll(-1)  # position t scores token t + 1
-    log_probs, entropy = target_scores(logits, targets, entropy_grad=entropy_grad)
+    log_probs, entropy = target_scores(logits, targets, temperature=batch.temperature, entropy_grad=entropy_grad)
     return shifted(log_probs, batch.cu_seqlens), shifted(entropy, batch.cu_seqlens)
 
 
 def token_log_probs(logits: Tensor, batch: PackedMicroBatch) -> Tensor:
     """``token_log_probs_and_entropy``'s log-probs alone."""
     targets = to_device(batch.input_ids, logits.device).roll(-1)
-    return shifted(target_log_probs(logits, targets)[0], batch.cu_seqlens)
+    log_probs, _ = target_scores(logits, targets, temperature=batch.temperature, with_entropy=False)
+    return shifted(log_probs, batch.cu_seqlens)
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:

@@ -6,10 +6,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from learner.plugins import PluginError
 from learner.rollout import RolloutConfig, RolloutError, rollout_groups
 from learner.sample import Sample, SampleStatus
+from learner.trainers import response_log_probs
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway, tiny_model
 from tests.support.uvicorn_thread import free_port
 
@@ -54,6 +57,22 @@ def test_groups_have_n_fresh_samples_per_prompt(gateway: Gateway) -> None:
             assert sample.metadata["prompt_completion_id"] == prompt.completion_id
     again = rollout_groups(gateway.url, ADMIN_KEY, prompts(), config)
     assert [[s.response_token_ids for s in g] for g in again] == [[s.response_token_ids for s in g] for g in groups]
+
+
+def test_the_trainer_scores_a_rollout_at_its_temperature(gateway: Gateway, tiny_model: Path) -> None:
+    """The PPO ratio / TIS weight of a fresh rollout is 1 before any step: the trainer's log-probs of the
+    sampled tokens, under the same weights, are the engine's (both of logits / 0.7)."""
+    config = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=8, temperature=0.7, seed=0)
+    samples = [s for group in rollout_groups(gateway.url, ADMIN_KEY, prompts(), config) for s in group]
+    assert {s.rollout_temperature for s in samples} == {0.7}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    trained = response_log_probs(model, samples, max_tokens_per_micro_batch=4096)
+    for sample, log_probs in zip(samples, trained, strict=True):
+        assert sample.rollout_log_probs is not None
+        ratio = torch.exp(log_probs - torch.tensor(sample.rollout_log_probs))
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2e-3, rtol=0)
+    greedy = rollout_groups(gateway.url, ADMIN_KEY, prompts()[:1], RolloutConfig(max_new_tokens=2, temperature=0))
+    assert greedy[0][0].rollout_temperature == 1.0  # greedy answers are logged at temperature 1
 
 
 def test_custom_generate_plugin_replaces_the_default(gateway: Gateway) -> None:
