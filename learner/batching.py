@@ -223,6 +223,12 @@ def training_loss_mask(sample: Sample) -> list[int]:
     return [0] * sample.response_length if sample.remove else sample.resolved_loss_mask()
 
 
+def trained_token_counts(samples: Sequence[Sample]) -> torch.Tensor:
+    """``[N]`` float32: each sample's trained response tokens (its ``training_loss_mask`` sum), the
+    weight of its advantage in token-level statistics."""
+    return torch.tensor([sum(training_loss_mask(s)) for s in samples], dtype=torch.float32)
+
+
 def assistant_loss_mask(
     response_token_ids: Sequence[int],
     *,

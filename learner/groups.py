@@ -6,9 +6,13 @@
       -> group = the rated answer(s) + the fresh samples
       -> dynamic-sampling filter (groups whose rewards do not vary teach nothing: roll them out again,
          up to ``refill_attempts`` times, then drop them)
-      -> drop samples marked ``remove`` (e.g. an unreadable judge verdict)
       -> reward post-processing (group normalisation for the estimator, or the custom hook)
+      -> samples marked ``remove`` stay in the batch and train nothing (a zero loss mask, slime's
+         rule): with a reward they count in their group's statistics and the filter, as in slime;
+         without one (an unreadable judge verdict) their advantage is 0
       -> buffer filter hook -> the samples to train and one advantage each
+      -> REINFORCE++-baseline: the advantages whitened over the batch's trained tokens (slime's
+         --normalize-advantages, which that estimator requires; the step loss does the same)
 
 Group indices are the rated samples' (``learner.collect`` numbers prompts 0..G-1 in order).
 """
@@ -20,10 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from learner.batching import apply_dynamic_filter, call_buffer_filter, check_reward_nonzero_std
+import torch
+
+from learner.algorithms import masked_whiten
+from learner.batching import apply_dynamic_filter, call_buffer_filter, check_reward_nonzero_std, trained_token_counts
 from learner.plugins import Plugin
 from learner.rewards import normalization_for, post_process_rewards
-from learner.rollout import RolloutConfig, rollout_groups
+from learner.rollout import RolloutConfig, RolloutError, rollout_groups
 from learner.sample import Sample
 
 __all__ = ["GroupSettings", "GroupedBatch", "Scorer", "build_groups"]
@@ -59,31 +66,36 @@ def build_groups(
     admin_key: str,
     score: Scorer,
     args: object,
+    rollout_id: int = 0,
 ) -> GroupedBatch:
-    """Samples to train with their advantages (see the module docstring); ``args`` goes to plugins."""
+    """Samples to train with their advantages (see the module docstring); ``args`` goes to plugins,
+    ``rollout_id`` (slime's: which rollout of the run this is) to a ROLLOUT plugin, refills included."""
     by_group: dict[int, list[Sample]] = {}
     for sample in rated:
         by_group.setdefault(_group_of(sample), []).append(sample)
     prompts = [by_group[g][0] for g in sorted(by_group)]
 
-    fresh = _fresh_groups(prompts, settings.rollout, server_url, admin_key, score)
+    fresh = _fresh_groups(prompts, settings.rollout, server_url, admin_key, score, rollout_id)
     groups = {g: by_group[g] + fresh[i] for i, g in enumerate(sorted(by_group))}
     filter_fn = settings.dynamic_filter or check_reward_nonzero_std
     refills = 0
     for _ in range(settings.refill_attempts):
-        flat = [s for s in _kept(groups) if not s.remove]
+        flat = _scored(_kept(groups))
         dropped = apply_dynamic_filter(args, _as_groups(flat), filter_fn).dropped
         if not dropped:
             break
         retry = sorted({_group_of(group[0]) for group, _ in dropped})
-        again = _fresh_groups([by_group[g][0] for g in retry], settings.rollout, server_url, admin_key, score)
+        again = _fresh_groups(
+            [by_group[g][0] for g in retry], settings.rollout, server_url, admin_key, score, rollout_id
+        )
         for g, samples in zip(retry, again, strict=True):
             groups[g] = by_group[g] + samples
         refills += len(retry)
 
-    trainable = [s for s in _kept(groups) if not s.remove]
-    result = apply_dynamic_filter(args, _as_groups(trainable), filter_fn)
+    result = apply_dynamic_filter(args, _as_groups(_scored(_kept(groups))), filter_fn)
     kept = [s for group in result.kept for s in group]
+    kept_ids = {_group_of(s) for s in kept}
+    unscored = [s for s in _kept(groups) if s.reward is None and s.remove and _group_of(s) in kept_ids]
     batch = GroupedBatch(
         metrics={
             "groups": len(groups),
@@ -100,29 +112,49 @@ def build_groups(
     normalization = normalization_for(settings.advantage_estimator, std_normalization=settings.std_normalization)
     processed = post_process_rewards(args, kept, normalization=normalization, plugin=settings.reward_post_process)
     advantage_of = {id(s): a for s, a in zip(kept, processed.rewards, strict=True)}
+    advantage_of |= {id(s): 0.0 for s in unscored}
+    kept = [s for g in sorted(kept_ids) for s in groups[g] if id(s) in advantage_of]
     if settings.buffer_filter is not None:
         kept = call_buffer_filter(settings.buffer_filter, args, kept)
     batch.samples = kept
     batch.advantages = [advantage_of[id(s)] for s in kept]
+    counts = trained_token_counts(kept)
+    if settings.advantage_estimator == "reinforce_plus_plus_baseline" and counts.sum() > 0:
+        batch.advantages = masked_whiten(torch.tensor(batch.advantages), counts).tolist()
     return batch
 
 
 def _fresh_groups(
-    prompts: list[Sample], config: RolloutConfig, server_url: str, admin_key: str, score: Scorer
+    prompts: list[Sample], config: RolloutConfig, server_url: str, admin_key: str, score: Scorer, rollout_id: int
 ) -> list[list[Sample]]:
-    groups = rollout_groups(server_url, admin_key, prompts, config)
-    for prompt, group in zip(prompts, groups, strict=True):
+    groups = rollout_groups(server_url, admin_key, prompts, config, rollout_id=rollout_id)
+    if len(groups) != len(prompts):
+        raise RolloutError(f"the rollout returned {len(groups)} groups for {len(prompts)} prompts")
+    # A group belongs to the prompt whose group id it carries (a ROLLOUT plugin may reorder them, as
+    # slime sorts its groups by sample index); a group without a known id, to the prompt at its place.
+    by_id = {p.group_index: p for p in prompts}
+    owned: dict[int | None, list[Sample]] = {}
+    for position, group in enumerate(groups):
+        ids = {s.group_index for s in group}
+        owner = (by_id.get(ids.pop()) if len(ids) == 1 else None) or prompts[position]
         for sample in group:
-            sample.group_index = prompt.group_index
-            sample.user_id = prompt.user_id
-    score([s for group in groups for s in group])
-    return groups
+            sample.group_index = owner.group_index
+            sample.user_id = owner.user_id
+        owned.setdefault(owner.group_index, []).extend(group)
+    ordered = [owned.get(p.group_index, []) for p in prompts]
+    score([s for group in ordered for s in group])
+    return ordered
 
 
 def _group_of(sample: Sample) -> int:
     if sample.group_index is None:
         raise ValueError("rated samples need a group_index (learner.collect sets one)")
     return sample.group_index
+
+
+def _scored(samples: list[Sample]) -> list[Sample]:
+    # A removed sample may have no reward (an unreadable judge verdict): it cannot join statistics.
+    return [s for s in samples if not (s.remove and s.reward is None)]
 
 
 def _kept(groups: dict[int, list[Sample]]) -> list[Sample]:

@@ -232,7 +232,8 @@ def rollout_groups(
     Args:
         server_url: the gateway, e.g. ``http://127.0.0.1:8000``.
         admin_key: the gateway's admin key.
-        prompts: prompt samples (e.g. from ``learner.collect``); prompt ``i`` gets ``group_index`` i.
+        prompts: prompt samples (e.g. from ``learner.collect``); prompt ``i``'s group gets its
+            ``group_index`` (``i`` when it has none).
         config: sampling, concurrency and plugins.
         rollout_id: passed to a ROLLOUT plugin.
         on_progress: called with (groups done, groups in all) after each group.
@@ -261,7 +262,8 @@ async def _rollout_all(
         nonlocal done
         async with slots:
             seed = None if config.seed is None else config.seed + index * n
-            group = await rollout_group(client, prompt, config, index, seed=seed)
+            group_index = index if prompt.group_index is None else prompt.group_index
+            group = await rollout_group(client, prompt, config, group_index, seed=seed)
         done += 1
         if on_progress is not None:
             on_progress(done, len(prompts))
@@ -386,7 +388,9 @@ async def _plugin_group(
     params = sampling_params(config)
     samples: list[Sample] = []
     for choice_index in range(config.n_samples_per_prompt):
-        result = await plugin.call(args, _fresh(prompt, group_index, choice_index, config.temperature), dict(params), evaluation=False)
+        result = await plugin.call(
+            args, _fresh(prompt, group_index, choice_index, config.temperature), dict(params), evaluation=False
+        )
         produced = result if isinstance(result, list) else [result]
         if not produced or not all(isinstance(s, Sample) for s in produced):
             raise plugin.error(f"returned {type(result).__name__}, not a Sample or a non-empty list of them")

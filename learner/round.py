@@ -143,14 +143,16 @@ class _Round:
             score = rewards.fresh_scorer()
         if score is not None:
             with self.timer("rollout"):
-                batch = rewards.grouped(self.samples, score)
+                batch = rewards.grouped(self.samples, score, rollout_id=self.succeeded_rounds())
             self.samples, advantages = batch.samples, batch.advantages
             if not self.samples:
                 return self.nothing_to_learn("every rollout group's rewards were equal", collected)
         # A rollout carries its rated prompt's user: a user's weight scales their whole group.
         advantages = [a * weights.of(s) for s, a in zip(self.samples, advantages, strict=True)]
         self.metrics |= weights.metrics()
-        if not any(advantages):  # the policy loss and its gradient are zero: training would only copy
+        # The policy loss and its gradient are zero (a removed sample trains nothing whatever its
+        # advantage): training would only copy the weights.
+        if not any(a for s, a in zip(self.samples, advantages, strict=True) if not s.remove):
             return self.nothing_to_learn(
                 f"every advantage is zero ({len(advantages)} samples): no answer was rated better or worse "
                 "than its baseline",
@@ -196,7 +198,7 @@ class _Round:
             watermark_to=self.watermark,
             metrics=self.metrics,
             samples_collected=collected,
-            samples_trained=len(self.samples),
+            samples_trained=sum(not s.remove for s in self.samples),
             produced_version_id=version_id,
         )
         self.write_metrics()
@@ -328,12 +330,16 @@ class _Round:
 
     # bookkeeping
 
+    def succeeded_rounds(self) -> int:
+        """The model's succeeded rounds so far: this round's metrics step and slime's ``rollout_id``."""
+        with self.sessions() as session:
+            return len(list_rounds(session, model=self.model, status="succeeded", limit=1_000_000))
+
     def write_metrics(self) -> None:
         """TensorBoard / W&B points at step = the model's count of succeeded rounds (never fails the round)."""
         if self.config.metrics is None:
             return
-        with self.sessions() as session:
-            step = len(list_rounds(session, model=self.model, status="succeeded", limit=1_000_000))
+        step = self.succeeded_rounds()
         write_round_metrics(
             self.config.metrics, model=self.model, step=step, metrics=self.metrics, seconds=self.timer.seconds
         )

@@ -78,8 +78,9 @@ class RoundRewards:
 
         return score
 
-    def grouped(self, samples: list[Sample], score: Scorer) -> GroupedBatch:
-        """Rated answers plus scored rollouts as real groups (``learner.groups``), with their advantages."""
+    def grouped(self, samples: list[Sample], score: Scorer, *, rollout_id: int) -> GroupedBatch:
+        """Rated answers plus scored rollouts as real groups (``learner.groups``), with their advantages;
+        ``rollout_id`` goes to a ROLLOUT plugin (slime's, the model's round count)."""
         config = self.config
         plugins = config.plugins()
         settings = GroupSettings(
@@ -98,6 +99,7 @@ class RoundRewards:
             admin_key=config.admin_key,
             score=score,
             args=self.plugin_args(),
+            rollout_id=rollout_id,
         )
         self.metrics.update(batch.metrics)
         return batch

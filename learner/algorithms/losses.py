@@ -24,6 +24,9 @@ from learner.algorithms.advantages import segment_ids
 
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Reduction = Literal["sample_mean", "token_mean"]
+# The policy-gradient term: PPO's clipped surrogate per token, GSPO's on the sequence-level ratio,
+# CISPO's clipped importance weight times log-prob (slime picks it with --advantage-estimator).
+Surrogate = Literal["ppo", "gspo", "cispo"]
 LOW_VAR_KL_CLAMP = 10.0  # slime clamps low_var_kl to [-10, 10]
 
 
@@ -57,12 +60,61 @@ def compute_policy_loss(
     ``old_log_probs`` and ``advantages`` are treated as constants (detached), so passing the
     current log-probs as ``old_log_probs`` gives the on-policy gradient ``-A * grad logp``.
     """
+    approx_kl = _as_float(old_log_probs).detach() - _as_float(log_probs)
+    return _clipped_surrogate(approx_kl, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def compute_gspo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+) -> PolicyLossResult:
+    """GSPO: ``compute_policy_loss`` with each token's ``ppo_kl`` replaced by its sample's masked mean
+    (a sequence-level ratio ``exp(mean_t(logp - logp_old))``, with gradient), as slime's
+    ``compute_gspo_kl``. Samples are the rows of ``[B, T]`` tensors or the ``cu_seqlens`` segments."""
+    token_kl = _as_float(old_log_probs).detach() - _as_float(log_probs)
+    sums, counts = _per_sample_sums(token_kl, loss_mask, cu_seqlens)
+    per_sample = sums / counts.clamp_min(1)
+    if cu_seqlens is None:
+        sequence_kl = per_sample[:, None].expand_as(token_kl)
+    else:
+        sequence_kl = per_sample[segment_ids(cu_seqlens, token_kl.device)]
+    return _clipped_surrogate(sequence_kl, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def compute_cispo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+) -> PolicyLossResult:
+    """CISPO (MiniMax-M1): ``-sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp``, slime's
+    ``compute_cispo_loss``. The clipped weight is a constant, so a clipped token still has gradient
+    (through ``logp``); ``clipfrac`` marks where the clamp changed the ratio."""
+    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_probs = _as_float(log_probs)
+    approx_kl = _as_float(old_log_probs).detach() - log_probs
+    ratio = torch.exp(-approx_kl)
+    weight = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    loss = -weight.detach() * _as_float(advantages).detach() * log_probs
+    return PolicyLossResult(loss=loss, clipfrac=(weight != ratio).to(loss.dtype), approx_kl=approx_kl)
+
+
+def _clipped_surrogate(
+    approx_kl: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float | None, eps_clip_c: float | None
+) -> PolicyLossResult:
+    """slime's ``compute_policy_loss`` from ``ppo_kl = logp_old - logp`` (per token or per sequence)."""
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
     if eps_clip_c is not None and eps_clip_c <= 1.0:
         raise ValueError(f"eps_clip_c must be > 1 for dual-clip PPO, got {eps_clip_c}")
-    log_probs = _as_float(log_probs)
     advantages = _as_float(advantages).detach()
-    approx_kl = _as_float(old_log_probs).detach() - log_probs
     ratio = torch.exp(-approx_kl)
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
@@ -122,6 +174,7 @@ class TISResult:
     weights: Tensor  # clamp(ratio, tis_clip_low, tis_clip), no gradient
     ratio: Tensor  # exp(logp_train - logp_rollout), slime's "tis" metric
     clipfrac: Tensor  # 1.0 where the clamp changed the ratio
+    abs: Tensor  # |ratio - 1|, slime's "tis_abs": how far the engine and the trainer disagree
 
 
 def compute_tis_weights(
@@ -140,7 +193,7 @@ def compute_tis_weights(
         raise ValueError(f"tis_clip ({tis_clip}) must be >= tis_clip_low ({tis_clip_low})")
     ratio = torch.exp(_as_float(train_log_probs).detach() - _as_float(rollout_log_probs).detach())
     weights = ratio.clamp(tis_clip_low, tis_clip)
-    return TISResult(weights=weights, ratio=ratio, clipfrac=(weights != ratio).to(ratio.dtype))
+    return TISResult(weights=weights, ratio=ratio, clipfrac=(weights != ratio).to(ratio.dtype), abs=(ratio - 1).abs())
 
 
 def _masked(values: Tensor, loss_mask: Tensor) -> Tensor:
@@ -259,6 +312,8 @@ class LossResult:
     kl_loss: Tensor | None = None  # None when no reference log-probs were given
     tis: Tensor | None = None  # mean importance ratio, with use_tis
     tis_clipfrac: Tensor | None = None
+    tis_abs: Tensor | None = None  # mean |ratio - 1|, with use_tis
+    ois: Tensor | None = None  # mean exp(logp - logp_old), the on-policy importance ratio, with use_tis
     train_rollout_logprob_abs_diff: Tensor | None = None  # with rollout log-probs
 
     def parts(self) -> dict[str, Tensor]:
@@ -285,6 +340,7 @@ def policy_loss_function(
     num_samples: int | None = None,
     num_tokens: int | None = None,
     cu_seqlens: Tensor | None = None,
+    surrogate: Surrogate = "ppo",
 ) -> LossResult:
     """``loss = R(pg * w) + kl_loss_coef * R(KL(logp, logp_ref)) - entropy_coef * R(H)``.
 
@@ -294,7 +350,10 @@ def policy_loss_function(
     ``cu_seqlens``; ``advantages`` already broadcast (``broadcast_to_tokens``). ``old_log_probs=None``
     means on-policy (``logp`` detached), as slime does when it has not recomputed them.
     ``num_samples``/``num_tokens``: the step's totals when it is split into micro-batches (``sample_mean``).
+    ``surrogate``: ``pg`` from ``compute_policy_loss`` (ppo), ``compute_gspo_loss`` or ``compute_cispo_loss``.
     """
+    if surrogate not in get_args(Surrogate):
+        raise ValueError(f"surrogate must be one of {get_args(Surrogate)}, got {surrogate!r}")
     if config.use_tis and rollout_log_probs is None:
         raise ValueError("use_tis needs rollout_log_probs (the behaviour log-probs logged at serving time)")
     if config.kl_loss_coef != 0 and ref_log_probs is None:
@@ -308,7 +367,21 @@ def policy_loss_function(
         )
 
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    pg = compute_policy_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c)
+    if surrogate == "gspo":
+        pg = compute_gspo_loss(
+            log_probs,
+            old,
+            advantages,
+            loss_mask,
+            config.eps_clip,
+            config.eps_clip_high,
+            config.eps_clip_c,
+            cu_seqlens=cu_seqlens,
+        )
+    elif surrogate == "cispo":
+        pg = compute_cispo_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high)
+    else:
+        pg = compute_policy_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c)
     pg_values, tis = pg.loss, None
     if config.use_tis and rollout_log_probs is not None:
         tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low)
@@ -340,5 +413,7 @@ def policy_loss_function(
         kl_loss=None if kl_loss is None else kl_loss.detach(),
         tis=None if tis is None else reduce(tis.ratio),
         tis_clipfrac=None if tis is None else reduce(tis.clipfrac),
+        tis_abs=None if tis is None else reduce(tis.abs),
+        ois=None if tis is None else reduce(torch.exp(-pg.approx_kl).detach()),
         train_rollout_logprob_abs_diff=abs_diff,
     )

@@ -27,7 +27,7 @@ from learner.algorithms import (
     reinforce_plus_plus_baseline_advantages,
     target_log_probs,
 )
-from learner.batching import PackedMicroBatch, training_loss_mask
+from learner.batching import PackedMicroBatch, trained_token_counts
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
 from learner.to_device import to_device
@@ -111,10 +111,9 @@ def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor
     """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its own)."""
     rewards = torch.tensor([s.reward_value(config.reward_key) for s in samples], dtype=torch.float32)
     groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
-    if config.advantage_estimator == "grpo":
+    if config.advantage_estimator in ("grpo", "gspo", "cispo"):  # slime normalises all three alike
         return grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
-    counts = torch.tensor([sum(training_loss_mask(s)) for s in samples], dtype=torch.float32)
-    return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=counts)
+    return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=trained_token_counts(samples))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +123,7 @@ class StepInputs:
     advantages: Tensor  # [N]
     old_log_probs: Sequence[Tensor | Sequence[float]] | None
     behaviour: Sequence[Sequence[float] | None] | None  # the TIS denominators, with use_tis
-    num_tokens: int  # trained tokens over the whole step (token_mean's denominator)
+    num_tokens: int  # trained tokens over the whole step, at least 1 per sample (token_mean's denominator)
     custom: Plugin | None
 
 
@@ -161,7 +160,8 @@ def prepare_step(
         advantages=advantages,
         old_log_probs=old,
         behaviour=[s.rollout_log_probs for s in samples] if loss_config.use_tis else None,
-        num_tokens=sum(sum(training_loss_mask(s)) for s in samples),
+        # At least 1 per sample, as slime counts a fully masked (removed) sample's tokens.
+        num_tokens=int(trained_token_counts(samples).clamp_min(1).sum()),
         custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
     )
 
@@ -285,6 +285,7 @@ def micro_batch_loss(
         num_samples=len(samples),
         num_tokens=inputs.num_tokens,
         cu_seqlens=cu_seqlens,
+        surrogate=config.surrogate,
     )
     return result.loss, result.parts()
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from learner.algorithms import PolicyLossConfig
+from learner.algorithms import PolicyLossConfig, Surrogate
 from learner.megatron_config import MegatronConfig
 from learner.plugins import HookKind, load_plugin
 
 __all__ = ["AdapterSpec", "AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
 
-AdvantageEstimator = Literal["grpo", "reinforce_plus_plus_baseline"]
+# slime's --advantage-estimator: gspo and cispo take GRPO's advantages and their own policy-gradient term.
+AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"]
 Backend = Literal["torch", "megatron"]
 
 
@@ -43,6 +44,12 @@ class TrainConfig:
     custom_loss_path: str | None = None  # slime's --custom-loss-function-path (see ``custom_loss``)
     backend: Backend = "torch"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    @property
+    def surrogate(self) -> Surrogate:
+        """The policy-gradient term the estimator trains with (``learner.algorithms.Surrogate``)."""
+        estimator = self.advantage_estimator
+        return "gspo" if estimator == "gspo" else "cispo" if estimator == "cispo" else "ppo"
 
     def __post_init__(self) -> None:
         if isinstance(self.megatron, Mapping):  # from JSON (``TrainingRequest.from_json``)

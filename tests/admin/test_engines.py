@@ -55,7 +55,7 @@ def pool_gateway(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             admin_key=ADMIN_KEY,
             engine="sglang",
             engine_urls=urls,
-            health_interval_s=0.3,
+            health_interval_s=5.0,  # probes of busy in-process engines: a short one ejects healthy replicas
             healthy_after=1,
         )
         yield stack.enter_context(run_gateway(settings, tenants=("acme",)))

@@ -266,7 +266,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, di
             admin_key=ADMIN_KEY,
             engine="sglang",
             engine_urls=urls,
-            health_interval_s=0.2,
+            health_interval_s=2.0,
             healthy_after=1,
         )
         yield stack.enter_context(run_gateway(settings, tenants=("acme",))), dict(zip(urls, servers, strict=True))

@@ -268,7 +268,7 @@ def test_cancel_a_hanging_round(gateway: Gateway, history: History, tmp_path: Pa
     training = threading.Event()
     results: list[RoundResult] = []
     hanging = dataclasses.replace(default_train_config(), custom_loss_path=HANG)
-    config = round_config(gateway, tmp_path, train_config=hanging, train_timeout_s=3.0, heartbeat_s=0.2)
+    config = round_config(gateway, tmp_path, train_config=hanging, train_timeout_s=30.0, heartbeat_s=0.2)
 
     def on_stage(stage: str, seconds: float | None) -> None:
         if stage == "train" and seconds is None:

@@ -146,7 +146,10 @@ def test_personal_rounds_serve_each_scope_its_own_adapter_through_swaps(gateway:
     # A new base: adapters trained over the old one stop serving at once ...
     new_base = perturb_weights(tiny_model_path(), tmp_path / "new-base")
     swapped = httpx.post(
-        f"{gateway.url}/admin/weights", json={"model_path": str(new_base), "weight_version": "base-2"}, headers=ADMIN
+        f"{gateway.url}/admin/weights",
+        json={"model_path": str(new_base), "weight_version": "base-2"},
+        headers=ADMIN,
+        timeout=120,
     )
     assert swapped.status_code == 200, swapped.text
     assert served_adapter(client, gateway, a_user)[0] is None and served_adapter(client, gateway, b_user)[0] is None

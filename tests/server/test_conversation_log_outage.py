@@ -21,6 +21,7 @@ from storage.db import make_engine, make_session_factory
 from storage.models import Completion
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.storage.factories import completion, new_tenant
+from tests.support.polling import async_wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,9 +40,12 @@ async def _record_while_down(log: ConversationLog, tenant: str, n: int) -> None:
     started = time.perf_counter()
     for _ in range(n):
         await log.record_completion(completion(tenant, tokens=20))
-    assert time.perf_counter() - started < 1.0, "recording must not wait for the database"
+    assert time.perf_counter() - started < 3.0, "recording must not wait for the database"
     assert not await log.flush(0.5)
-    assert not log.db_available and log.backlog() == n
+    # The flusher's first failed write marks the database unavailable; on a loaded machine it may not
+    # have tried yet when the flush above gave up.
+    await async_wait_until(lambda: not log.db_available, timeout_s=30, what="the database is marked unavailable")
+    assert log.backlog() == n
 
 
 @pytest.mark.postgres

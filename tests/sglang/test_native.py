@@ -63,8 +63,8 @@ async def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(
     assert result.finish is not None and result.finish.type == "length"
     assert result.token_ids == greedy_reference(tiny_model, PROMPTS[1], 6)
     # /health_generate runs a generation of its own, which can miss its deadline right after
-    # continue_generation on a busy CPU; the server must be healthy again within a few probes.
-    await async_wait_until(sglang.health, timeout_s=3, what="SGLang is healthy again", interval_s=1)
+    # continue_generation on a busy CPU; the server must be healthy again soon after.
+    await async_wait_until(sglang.health, timeout_s=60, what="SGLang is healthy again", interval_s=1)
 
 
 async def test_local_engine_sglang_and_transformers_agree(sglang: SGLangClient, tiny_model: Path) -> None:

@@ -24,13 +24,19 @@ def weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo"])
 @pytest.mark.parametrize("reduction", ["sample_mean", "token_mean"])
-def test_micro_batches_give_the_one_big_batch_step(base_dir: Path, reduction: str) -> None:
+def test_micro_batches_give_the_one_big_batch_step(base_dir: Path, reduction: str, estimator: str) -> None:
     samples = random_samples(8, seed=3)
     loss = PolicyLossConfig(reduction=reduction, entropy_coef=0.01)
     results = []
     for cap in (4096, 16):  # one micro-batch, then one or two samples each
-        config = TrainConfig(loss=loss, clip_grad=None, max_tokens_per_micro_batch=cap)
+        config = TrainConfig(
+            loss=loss,
+            advantage_estimator=estimator,  # type: ignore[arg-type]
+            clip_grad=None,
+            max_tokens_per_micro_batch=cap,
+        )
         model = load_tiny(base_dir)
         metrics = train_step(model, sgd(model), samples, config)
         results.append((metrics, weights(model)))
@@ -46,9 +52,11 @@ def test_metrics_carry_slimes_names_and_the_step_moves_weights(model: PreTrained
     before = weights(model)
     config = TrainConfig(loss=PolicyLossConfig(use_tis=True, entropy_coef=0.01), max_tokens_per_micro_batch=24)
     metrics = train_step(model, sgd(model), samples, config)
-    expected = {"loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "tis", "tis_clipfrac"}
+    expected = {"loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "tis", "tis_clipfrac", "tis_abs", "ois"}
     assert expected | {"train_rollout_logprob_abs_diff", "grad_norm", "perf/tokens_per_sec"} <= set(metrics)
-    assert metrics["pg_clipfrac"] == 0 and metrics["ppo_kl"] == 0  # on-policy: ratio 1
+    assert (
+        metrics["pg_clipfrac"] == 0 and metrics["ppo_kl"] == 0 and metrics["ois"] == pytest.approx(1)
+    )  # on-policy: ratio 1
     assert metrics["tis"] > 2 and metrics["tis_clipfrac"] > 0.5  # ratio about exp(1.4), clipped at 2
     assert all(math.isfinite(v) for v in metrics.values())
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

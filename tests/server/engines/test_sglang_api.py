@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -100,11 +99,11 @@ async def test_client_raises_400_for_bad_prompts(client: SGLangClient) -> None:
 
 async def test_health_pause_continue_flush(client: SGLangClient) -> None:
     assert await client.health()
-    running = asyncio.create_task(collect(client, PROMPT, greedy(300)))
-    await asyncio.sleep(0.1)
+    running = client.generate(PROMPT, greedy(300))
+    first = await anext(running)  # under way (a request arriving after the pause would wait for resume)
     await client.pause("abort")
-    aborted = await running
-    assert aborted.finish is not None and aborted.finish.type == "abort"
+    chunks = [first, *[chunk async for chunk in running]]
+    assert chunks[-1].finish is not None and chunks[-1].finish.type == "abort"
     await client.resume()
     assert await client.flush_cache()
     assert (await collect(client, PROMPT, greedy(2))).finish is not None
