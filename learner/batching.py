@@ -366,6 +366,8 @@ class PackedMicroBatch:
     # [T] float32: each position's logits are divided by its sample's ``rollout_temperature`` before
     # scoring, as slime divides by --rollout-temperature; None when every sample's is 1.
     temperature: torch.Tensor | None = None
+    # [T] float32: 1 on the positions of ``supervised`` samples (trained by the SFT term); None: none.
+    supervised: torch.Tensor | None = None
 
 
 def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> PackedMicroBatch:
@@ -378,6 +380,7 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
     positions: list[int] = []
     mask: list[int] = []
     temperature: list[float] = []
+    supervised: list[float] = []
     for index, (start, end) in zip(micro_batch.sample_indices, micro_batch.bounds(), strict=True):
         sample = samples[index]
         sample.validate()
@@ -389,6 +392,7 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         positions += range(sample.total_length)
         mask += sequence_loss_mask(sample)
         temperature += [sample.rollout_temperature] * sample.total_length
+        supervised += [float(sample.supervised)] * sample.total_length
     return PackedMicroBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
@@ -396,6 +400,7 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         cu_seqlens=torch.tensor(micro_batch.cu_seqlens, dtype=torch.int32),
         sample_indices=micro_batch.sample_indices,
         temperature=None if set(temperature) == {1.0} else torch.tensor(temperature, dtype=torch.float32),
+        supervised=torch.tensor(supervised, dtype=torch.float32) if any(supervised) else None,
     )
 
 

@@ -131,12 +131,15 @@ def _fresh_groups(
     if len(groups) != len(prompts):
         raise RolloutError(f"the rollout returned {len(groups)} groups for {len(prompts)} prompts")
     # A group belongs to the prompt whose group id it carries (a ROLLOUT plugin may reorder them, as
-    # slime sorts its groups by sample index); a group without a known id, to the prompt at its place.
+    # slime sorts its groups by sample index) when the groups name distinct prompts of this call;
+    # otherwise (ids by position, or none) to the prompt at its place.
     by_id = {p.group_index: p for p in prompts}
+    ids = [{s.group_index for s in group} for group in groups]
+    named = [next(iter(i)) for i in ids if len(i) == 1]
+    by_name = len(named) == len(groups) and len(set(named)) == len(named) and set(named) <= by_id.keys()
     owned: dict[int | None, list[Sample]] = {}
     for position, group in enumerate(groups):
-        ids = {s.group_index for s in group}
-        owner = (by_id.get(ids.pop()) if len(ids) == 1 else None) or prompts[position]
+        owner = by_id[named[position]] if by_name else prompts[position]
         for sample in group:
             sample.group_index = owner.group_index
             sample.user_id = owner.user_id

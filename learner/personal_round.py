@@ -38,6 +38,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session, sessionmaker
 
 from learner.collect import feedback_samples, learnable
+from learner.corrections import corrections_of
 from learner.evaluation.stage import Evaluation, evaluate_candidate, held_out_answers, load_eval_set, trainable
 from learner.round_config import RoundConfig, RoundError
 from learner.round_rewards import RoundRewards
@@ -261,10 +262,14 @@ class _PersonalRound:
         )
         try:
             advantages = rewards.feedback_advantages(samples)
+            corrections = corrections_of(samples, self.base_dir)
         except (RoundError, RuntimeError, OSError, ValueError) as exc:
             return prepared.result("failed", samples=len(samples), error=f"{type(exc).__name__}: {exc}")
-        if not any(advantages):  # an adapter trained on them would equal its parent
+        if not corrections and not any(advantages):  # an adapter trained on them would equal its parent
             return prepared.result("nothing_to_learn", samples=len(samples), reason="every advantage is zero")
+        prepared.samples = [*samples, *corrections]
+        advantages = [*advantages, *[0.0] * len(corrections)]
+        prepared.metrics["corrections"] = len(corrections)
         prepared.request = self._request(prepared, advantages)
         return prepared
 

@@ -3,14 +3,7 @@
 Built-in mapping (``feedback_reward``): a rating ``up``/``down`` gives ``+1``/``-1`` (configurable);
 a ``score`` in [-1, 1] is used as is.
 
-A ``corrected_answer`` is a preferred alternative. Rounds do not train on it yet (docs/rewards.md);
-``feedback_group`` is the hook for that: it adds it to the rated answer's group as one extra sample with the same prompt, the corrected text's token ids as its response, and
-reward ``corrected_answer`` (default +1, as good as an ``up``). After group normalisation it is the
-group's best answer, so GRPO pushes towards it and away from the rated one when that one was worse.
-The policy never produced it, so it has no behaviour log-probs (``rollout_log_probs`` is None) and no
-weight version: the trainer must recompute the old log-probs for it with the current policy (slime's
-path without ``--use-rollout-logprobs``), and truncated importance sampling does not apply to it.
-``metadata["source"] == "corrected_answer"`` marks it, for metrics or a buffer filter that drops it.
+A ``corrected_answer`` is not a reward: it is trained by likelihood (``learner.corrections``).
 
 Reward plugins (``score_samples``) are slime's ``--custom-rm-path``: ``async (args, sample) -> float
 | dict`` called per sample under a concurrency bound, or the batched ``async (args, samples) ->
@@ -20,7 +13,7 @@ Post-processing (``post_process_rewards``) is slime's ``_post_process_rewards``:
 replaces it; otherwise rewards are centred on their group's mean and, for GRPO-like estimators,
 divided by ``std + 1e-6`` (unbiased std, as torch's default). Two deliberate differences: groups are
 the samples sharing a ``group_index`` (slime reshapes by ``n_samples_per_prompt``; tandem's groups
-vary in size: n rollouts + the rated answer + maybe a corrected one), and a group of one is not
+vary in size: n rollouts + the rated answer(s)), and a group of one is not
 divided by its (undefined) std, which slime gets by switching std normalisation off when
 ``n_samples_per_prompt == 1``. Centring a group of one gives 0: use ``Normalization.NONE`` or a
 baseline for single rated answers. Sums run in Python floats (double), not torch float32.
@@ -38,19 +31,16 @@ from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, Protocol
 
 from learner.plugins import HookKind, Plugin
-from learner.sample import Sample, SampleError, SampleStatus
+from learner.sample import Sample, SampleError
 
 __all__ = [
     "NORMALIZATION_BY_ESTIMATOR",
-    "FeedbackLike",
     "FeedbackRewardMapping",
     "Normalization",
     "PostProcessedRewards",
     "RewardError",
     "Verdict",
     "call_reward_post_process",
-    "corrected_answer_sample",
-    "feedback_group",
     "feedback_reward",
     "normalization_for",
     "normalize_group_rewards",
@@ -74,23 +64,15 @@ class Verdict(Protocol):
     def score(self) -> float | None: ...
 
 
-class FeedbackLike(Verdict, Protocol):
-    """A feedback row with its corrected answer (``storage.records.FeedbackRecord`` fits)."""
-
-    @property
-    def corrected_answer(self) -> str | None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class FeedbackRewardMapping:
     """Rewards for the built-in mapping from feedback."""
 
     up: float = 1.0
     down: float = -1.0
-    corrected_answer: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("up", "down", "corrected_answer"):
+        for name in ("up", "down"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise RewardError(f"feedback reward {name!r} must be a finite number, got {value!r}")
@@ -117,59 +99,6 @@ def feedback_reward(feedback: Verdict, mapping: FeedbackRewardMapping | None = N
     if isinstance(score, bool) or not isinstance(score, int | float) or not -1.0 <= score <= 1.0:
         raise RewardError(f"feedback score must be a number in [-1, 1], got {score!r}")
     return float(score)
-
-
-def corrected_answer_sample(
-    rated: Sample, response_token_ids: Sequence[int], *, reward: float, text: str = "", index: int | None = None
-) -> Sample:
-    """A new sample answering ``rated``'s prompt with the user's corrected answer.
-
-    ``response_token_ids`` is the corrected text tokenised as the assistant turn, ending with the
-    end-of-turn token so the model also learns where to stop.
-
-    Raises:
-        RewardError: an empty corrected answer.
-    """
-    if not response_token_ids:
-        raise RewardError(f"corrected answer for sample {rated.index} has no tokens")
-    return Sample(
-        prompt_token_ids=list(rated.prompt_token_ids),
-        response_token_ids=list(response_token_ids),
-        group_index=rated.group_index,
-        index=index,
-        prompt=rated.prompt,
-        response=text,
-        label=rated.label,
-        reward=float(reward),
-        status=SampleStatus.COMPLETED,
-        user_id=rated.user_id,
-        session_id=rated.session_id,
-        metadata={"source": "corrected_answer", "corrected_completion_id": rated.completion_id},
-    )
-
-
-def feedback_group(
-    rated: Sample,
-    feedback: FeedbackLike,
-    mapping: FeedbackRewardMapping | None = None,
-    *,
-    corrected_token_ids: Sequence[int] | None = None,
-) -> list[Sample]:
-    """Set ``rated.reward`` from its feedback; return ``[rated]``, plus the corrected answer if any.
-
-    Raises:
-        RewardError: see ``feedback_reward``; corrected text given without its token ids.
-    """
-    mapping = mapping or FeedbackRewardMapping()
-    rated.reward = feedback_reward(feedback, mapping)
-    if not feedback.corrected_answer:
-        return [rated]
-    if corrected_token_ids is None:
-        raise RewardError(f"sample {rated.index} has a corrected answer: pass its token ids")
-    corrected = corrected_answer_sample(
-        rated, corrected_token_ids, reward=mapping.corrected_answer, text=feedback.corrected_answer
-    )
-    return [rated, corrected]
 
 
 # reward plugins

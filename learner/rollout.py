@@ -394,6 +394,7 @@ async def _plugin_group(
         produced = result if isinstance(result, list) else [result]
         if not produced or not all(isinstance(s, Sample) for s in produced):
             raise plugin.error(f"returned {type(result).__name__}, not a Sample or a non-empty list of them")
+        _sampled_at(config, produced)
         for sample in produced:
             sample.group_index = group_index
             sample.validate()
@@ -418,7 +419,15 @@ def _run_rollout_plugin(
         isinstance(group, list) and all(isinstance(s, Sample) for s in group) for group in groups
     ):
         raise plugin.error(f"returned {type(result).__name__}, not list[list[Sample]]")
+    _sampled_at(config, [s for group in groups for s in group])
     return groups
+
+
+def _sampled_at(config: RolloutConfig, samples: list[Sample]) -> None:
+    """A plugin's samples are scored at the rollout temperature, as slime scores every rollout at
+    --rollout-temperature (a plugin's sampling_params carry it)."""
+    for sample in samples:
+        sample.rollout_temperature = scored_temperature(config.temperature)
 
 
 async def _awaited(result: Any) -> Any:

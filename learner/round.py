@@ -37,6 +37,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from learner.collect import feedback_samples, learnable
+from learner.corrections import corrections_of
 from learner.debug_batch import save_batch
 from learner.evaluation.scoring import unscorable
 from learner.evaluation.stage import held_out_answers, load_eval_set, trainable
@@ -136,6 +137,7 @@ class _Round:
             collected = self.collect()
         if not self.samples:
             return self.nothing_to_learn(self.untrainable(collected), collected)
+        corrections = corrections_of(self.samples, self.base_dir)  # from the rated answers, before grouping
         rewards = self.rewards()
         with self.timer("reward"):
             advantages = rewards.feedback_advantages(self.samples)
@@ -145,20 +147,22 @@ class _Round:
             with self.timer("rollout"):
                 batch = rewards.grouped(self.samples, score, rollout_id=self.succeeded_rounds())
             self.samples, advantages = batch.samples, batch.advantages
-            if not self.samples:
+            if not self.samples and not corrections:
                 return self.nothing_to_learn("every rollout group's rewards were equal", collected)
         # A rollout carries its rated prompt's user: a user's weight scales their whole group.
         advantages = [a * weights.of(s) for s, a in zip(self.samples, advantages, strict=True)]
         self.metrics |= weights.metrics()
         # The policy loss and its gradient are zero (a removed sample trains nothing whatever its
-        # advantage): training would only copy the weights.
-        if not any(a for s, a in zip(self.samples, advantages, strict=True) if not s.remove):
+        # advantage) and no correction is to be learnt: training would only copy the weights.
+        if not corrections and not any(a for s, a in zip(self.samples, advantages, strict=True) if not s.remove):
             return self.nothing_to_learn(
                 f"every advantage is zero ({len(advantages)} samples): no answer was rated better or worse "
                 "than its baseline",
                 collected,
             )
-        self.refuse_length_drift()
+        self.refuse_length_drift()  # on the policy's own answers, before the corrections join them
+        self.samples, advantages = [*self.samples, *corrections], [*advantages, *[0.0] * len(corrections)]
+        self.metrics["corrections"] = len(corrections)
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
             info = {"round_id": self.round_id, "model": self.model, "watermark": self.watermark}
@@ -297,7 +301,7 @@ class _Round:
     def refuse_length_drift(self) -> None:
         """Stop before training when the batch's answers are far longer or shorter than the lineage's
         earlier rounds' (they come from the serving policy: its answers changed length)."""
-        if not self.config.drift.on:
+        if not self.config.drift.on or not self.samples:  # corrections alone: no policy answer to measure
             return
         with self.sessions.begin() as session:
             earlier = list_rounds(session, model=self.model, status="succeeded", limit=5)

@@ -18,6 +18,8 @@ Where it differs, and why:
 - ``rollout_temperature`` is added: slime divides the logits by one ``--rollout-temperature`` before
   scoring; a tandem round mixes logged answers sampled at each request's temperature with fresh
   rollouts, so each sample carries the temperature its response was drawn at (greedy: 1).
+- ``supervised`` is added: a sample trained by likelihood (the SFT term, ``loss.sft_coef``) instead of
+  by its advantage, such as a user's corrected answer (``learner.corrections``).
 - ``user_id`` and ``completion_id`` are added: feedback comes from users (per-user baselines) and
   every trajectory traces back to the logged completion it came from (idempotent rounds).
 - Slotted: a misspelt attribute raises instead of silently creating a new one; per-sample extras go
@@ -82,6 +84,7 @@ class Sample:
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
     rollout_temperature: float = 1.0  # training divides this sample's logits by it (see the module doc)
+    supervised: bool = False  # trained by likelihood (SFT), not by its advantage (see the module doc)
     weight_versions: list[str] = field(default_factory=list)
     status: SampleStatus = SampleStatus.PENDING
     remove: bool = False

@@ -283,9 +283,12 @@ class PolicyLossConfig:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     reduction: Reduction = "sample_mean"  # "token_mean" is slime's --calculate-per-token-loss
+    sft_coef: float = 1.0  # weight of the SFT term (-logp) on supervised samples, e.g. corrected answers
 
     def __post_init__(self) -> None:
         errors = []
+        if self.sft_coef < 0:
+            errors.append(f"sft_coef must be >= 0, got {self.sft_coef}")
         if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
             errors.append("eps_clip and eps_clip_high must be >= 0")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
@@ -313,6 +316,7 @@ class LossResult:
     tis: Tensor | None = None  # mean importance ratio, with use_tis
     tis_clipfrac: Tensor | None = None
     tis_abs: Tensor | None = None  # mean |ratio - 1|, with use_tis
+    sft_loss: Tensor | None = None  # mean -logp of the supervised samples' tokens, when there are any
     ois: Tensor | None = None  # mean exp(logp - logp_old), the on-policy importance ratio, with use_tis
     train_rollout_logprob_abs_diff: Tensor | None = None  # with rollout log-probs
 
@@ -341,8 +345,10 @@ def policy_loss_function(
     num_tokens: int | None = None,
     cu_seqlens: Tensor | None = None,
     surrogate: Surrogate = "ppo",
+    supervised: Tensor | None = None,
 ) -> LossResult:
-    """``loss = R(pg * w) + kl_loss_coef * R(KL(logp, logp_ref)) - entropy_coef * R(H)``.
+    """``loss = R(pg * w) + sft_coef * R(-logp on supervised tokens) + kl_loss_coef * R(KL(logp, logp_ref))
+    - entropy_coef * R(H)``.
 
     ``R`` is ``config.reduction`` over ``loss_mask``; ``pg`` is ``compute_policy_loss`` per token; ``w``
     are the TIS weights (``use_tis``) of the trainer's pre-update log-probs against
@@ -351,6 +357,8 @@ def policy_loss_function(
     means on-policy (``logp`` detached), as slime does when it has not recomputed them.
     ``num_samples``/``num_tokens``: the step's totals when it is split into micro-batches (``sample_mean``).
     ``surrogate``: ``pg`` from ``compute_policy_loss`` (ppo), ``compute_gspo_loss`` or ``compute_cispo_loss``.
+    ``supervised``: 1 on tokens trained by likelihood (slime's ``sft_loss``) instead of the policy
+    gradient: ``pg`` and its metrics leave them out, the KL and entropy terms keep them.
     """
     if surrogate not in get_args(Surrogate):
         raise ValueError(f"surrogate must be one of {get_args(Surrogate)}, got {surrogate!r}")
@@ -361,10 +369,12 @@ def policy_loss_function(
     if config.entropy_coef != 0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
 
-    def reduce(values: Tensor) -> Tensor:
+    def reduce(values: Tensor, mask: Tensor = loss_mask) -> Tensor:
         return reduce_masked(
-            values, loss_mask, config.reduction, num_samples=num_samples, num_tokens=num_tokens, cu_seqlens=cu_seqlens
+            values, mask, config.reduction, num_samples=num_samples, num_tokens=num_tokens, cu_seqlens=cu_seqlens
         )
+
+    pg_mask = loss_mask if supervised is None else loss_mask * (1 - supervised.to(loss_mask.dtype))
 
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     if surrogate == "gspo":
@@ -372,7 +382,7 @@ def policy_loss_function(
             log_probs,
             old,
             advantages,
-            loss_mask,
+            pg_mask,
             config.eps_clip,
             config.eps_clip_high,
             config.eps_clip_c,
@@ -386,8 +396,13 @@ def policy_loss_function(
     if config.use_tis and rollout_log_probs is not None:
         tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low)
         pg_values = pg_values * tis.weights
-    pg_loss = reduce(pg_values)
+    pg_loss = reduce(pg_values, pg_mask)
     loss = pg_loss
+
+    sft_loss = None
+    if supervised is not None:
+        sft_loss = reduce(-_as_float(log_probs), loss_mask * supervised.to(loss_mask.dtype))
+        loss = loss + config.sft_coef * sft_loss
 
     entropy_loss = None
     if entropy is not None:
@@ -402,18 +417,19 @@ def policy_loss_function(
 
     abs_diff = None
     if rollout_log_probs is not None:
-        abs_diff = reduce((_as_float(old) - _as_float(rollout_log_probs)).abs().detach())
+        abs_diff = reduce((_as_float(old) - _as_float(rollout_log_probs)).abs().detach(), pg_mask)
 
     return LossResult(
         loss=loss,
         pg_loss=pg_loss.detach(),
-        pg_clipfrac=reduce(pg.clipfrac).detach(),
-        ppo_kl=reduce(pg.approx_kl).detach(),
+        pg_clipfrac=reduce(pg.clipfrac, pg_mask).detach(),
+        ppo_kl=reduce(pg.approx_kl, pg_mask).detach(),
         entropy_loss=None if entropy_loss is None else entropy_loss.detach(),
         kl_loss=None if kl_loss is None else kl_loss.detach(),
-        tis=None if tis is None else reduce(tis.ratio),
-        tis_clipfrac=None if tis is None else reduce(tis.clipfrac),
-        tis_abs=None if tis is None else reduce(tis.abs),
-        ois=None if tis is None else reduce(torch.exp(-pg.approx_kl).detach()),
+        tis=None if tis is None else reduce(tis.ratio, pg_mask),
+        tis_clipfrac=None if tis is None else reduce(tis.clipfrac, pg_mask),
+        tis_abs=None if tis is None else reduce(tis.abs, pg_mask),
+        ois=None if tis is None else reduce(torch.exp(-pg.approx_kl).detach(), pg_mask),
+        sft_loss=None if sft_loss is None else sft_loss.detach(),
         train_rollout_logprob_abs_diff=abs_diff,
     )

@@ -138,6 +138,7 @@ def _slot_parts(
             cu_seqlens=batch.cu_seqlens[k0 : k1 + 1] - start,
             sample_indices=tuple(i - first[slot] for i in batch.sample_indices[k0:k1]),
             temperature=None if batch.temperature is None else batch.temperature[start:end],
+            supervised=None if batch.supervised is None else batch.supervised[start:end],
         )
         parts.append((slot, part, (start, end)))
     return parts

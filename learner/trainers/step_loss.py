@@ -125,6 +125,9 @@ class StepInputs:
     behaviour: Sequence[Sequence[float] | None] | None  # the TIS denominators, with use_tis
     num_tokens: int  # trained tokens over the whole step, at least 1 per sample (token_mean's denominator)
     custom: Plugin | None
+    # Some sample of the step is supervised: every micro-batch then reports sft_loss (data-parallel
+    # replicas sum the same named values, so a name must not depend on a micro-batch's samples).
+    supervised: bool = False
 
 
 def prepare_step(
@@ -147,7 +150,7 @@ def prepare_step(
     if loss_config.kl_loss_coef != 0 and not has_ref_model:
         raise ValueError("kl_loss_coef != 0 needs a ref_model")
     needs_behaviour = loss_config.use_tis or (config.use_rollout_logprobs and old_log_probs is None)
-    if needs_behaviour and any(s.rollout_log_probs is None for s in samples):
+    if needs_behaviour and any(s.rollout_log_probs is None and not s.supervised for s in samples):
         raise ValueError("use_tis / use_rollout_logprobs need rollout_log_probs on every sample")
     if advantages is None:
         advantages = compute_advantages(samples, config)
@@ -155,15 +158,24 @@ def prepare_step(
         raise ValueError(f"advantages must have shape ({len(samples)},), got {tuple(advantages.shape)}")
     old: Sequence[Tensor | Sequence[float]] | None = old_log_probs
     if old is None and config.use_rollout_logprobs:
-        old = [torch.tensor(s.rollout_log_probs) for s in samples]
+        old = [torch.tensor(_behaviour(s)) for s in samples]
     return StepInputs(
         advantages=advantages,
         old_log_probs=old,
-        behaviour=[s.rollout_log_probs for s in samples] if loss_config.use_tis else None,
+        behaviour=[_behaviour(s) for s in samples] if loss_config.use_tis else None,
         # At least 1 per sample, as slime counts a fully masked (removed) sample's tokens.
         num_tokens=int(trained_token_counts(samples).clamp_min(1).sum()),
         custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
+        supervised=any(s.supervised for s in samples),
     )
+
+
+def _behaviour(sample: Sample) -> list[float]:
+    # A supervised sample (a user's corrected answer) was never sampled: no behaviour log-probs. Its
+    # tokens take no policy gradient, so zeros only fill its place.
+    if sample.rollout_log_probs is None:
+        return [0.0] * sample.response_length
+    return list(sample.rollout_log_probs)
 
 
 def _packed_response_values(
@@ -194,7 +206,9 @@ def call_custom_loss(
     slime's contract ``(args, batch, logits, sum_of_sample_mean)``; here ``args`` is the ``TrainConfig``,
     ``batch`` holds the packed row's per-token tensors (``input_ids``, ``position_ids``, ``cu_seqlens``,
     ``loss_mask``, ``log_probs`` with gradient, ``old_log_probs``, ``advantages``, and
-    ``rollout_log_probs`` / ``ref_log_probs`` or None), ``logits`` is ``[T, V]``, and
+    ``rollout_log_probs`` / ``ref_log_probs`` or None, and ``supervised``: 1 on the tokens of supervised
+    samples, such as corrected answers, which the built-in loss trains by likelihood and a custom loss
+    must handle itself), ``logits`` is ``[T, V]``, and
     ``sum_of_sample_mean`` reduces per-token values exactly as the built-in loss does over the whole
     step (so micro-batch losses add up to the step's).
 
@@ -247,6 +261,9 @@ def micro_batch_loss(
     token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
     old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
     rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
+    supervised = None
+    if inputs.supervised:
+        supervised = torch.zeros_like(loss_mask) if batch.supervised is None else to_device(batch.supervised, device)
     if inputs.custom is not None:
         if logits is None:
             raise ValueError("a CUSTOM_LOSS plugin is handed the [T, V] logits; none were given")
@@ -260,6 +277,7 @@ def micro_batch_loss(
             "advantages": token_advantages,
             "rollout_log_probs": rollout,
             "ref_log_probs": ref_log_probs,
+            "supervised": torch.zeros_like(loss_mask) if supervised is None else supervised,
         }
 
         def sum_of_sample_mean(values: Tensor) -> Tensor:
@@ -286,6 +304,7 @@ def micro_batch_loss(
         num_tokens=inputs.num_tokens,
         cu_seqlens=cu_seqlens,
         surrogate=config.surrogate,
+        supervised=supervised,
     )
     return result.loss, result.parts()
 
@@ -325,9 +344,10 @@ class StepTotals:
 def step_metrics(
     samples: Sequence[Sample], totals: dict[str, float], grad_norm: float, elapsed: float
 ) -> dict[str, float]:
-    """A step's reported metrics: the summed loss parts, the gradient norm, throughput and response lengths."""
+    """A step's reported metrics: the summed loss parts, the gradient norm, throughput and the lengths of
+    the policy's own answers (not corrections or removed samples: later rounds' drift check reads them)."""
     tokens = sum(s.total_length for s in samples)
-    lengths = [s.response_length for s in samples]
+    lengths = [s.response_length for s in samples if not (s.supervised or s.remove)] or [0]
     return {
         **totals,
         "grad_norm": grad_norm,

@@ -203,9 +203,11 @@ def _drift_probe(
     from the base under a disabled adapter, from the policy itself when the serving checkpoint is
     the root, else from the root loaded for the probe and freed.
     """
-    if request.drift is None or not request.drift.on:
+    # The policy's own answers: a supervised sample (a correction) is pulled towards on purpose.
+    samples = [s for s in request.samples if not s.supervised]
+    if request.drift is None or not request.drift.on or not samples:
         return None
-    samples, budget = list(request.samples), request.config.max_tokens_per_micro_batch
+    budget = request.config.max_tokens_per_micro_batch
     root_dir = request.reference_model_dir
     if ref_model is not None:
         root = response_scores(ref_model, samples, budget)

@@ -17,9 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from learner.algorithms import PolicyLossConfig
+from learner.corrections import corrected_samples
 from learner.debug_batch import replay_batch
 from learner.evaluation import EvalConfig
 from learner.reward_model import FittedRewardModel, RewardModelConfig
@@ -27,7 +29,8 @@ from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_config import default_train_config
 from learner.round_metrics import RoundMetricsConfig
-from learner.trainers import TrainConfig
+from learner.sample import Sample
+from learner.trainers import TrainConfig, response_log_probs
 from learner.trainers.drift import DriftConfig
 from storage import get_round, get_version, list_rounds, list_versions, serving_version
 from tandem.cli import app
@@ -182,6 +185,37 @@ def test_a_round_that_cannot_change_the_policy_makes_no_version(fresh_gateway: G
     assert again.reason == f"no new ratings since watermark {result.watermark_to}"
     with gateway.sessions()() as session:
         assert list_versions(session, model=gateway.model) == ()
+
+
+def test_a_corrected_answer_is_trained_and_becomes_more_likely(
+    fresh_gateway: Gateway, model_dir: Path, tmp_path: Path
+) -> None:
+    """A lone rating has no advantage, but its corrected answer is learnt by likelihood (the SFT term)."""
+    gateway = fresh_gateway
+    client = gateway.client(gateway.keys["e2e"])
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    reply = client.chat.completions.create(model=gateway.model, messages=messages, max_tokens=8, user="fixer")
+    body = {"completion_id": reply.id, "rating": "down", "corrected_answer": "Two plus two is four."}
+    client.post("/feedback", body=body, cast_to=object)
+    logged = client.get(f"/completions/{reply.id}", cast_to=dict[str, Any])  # flushes the log
+    result = run_round(round_config(gateway, tmp_path))
+    assert result.status == "succeeded" and result.version_id is not None, result
+    assert result.metrics["corrections"] == 1 and result.checkpoint_path is not None
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rated = Sample(
+        prompt_token_ids=logged["prompt_token_ids"],
+        prompt=messages,
+        metadata={"feedback": {"corrected_answer": body["corrected_answer"]}},
+    )
+    [corrected] = corrected_samples([rated], tokenizer)
+
+    def loglik(path: Path) -> float:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return float(response_log_probs(model, [corrected], 4096)[0].mean())
+
+    before, after = loglik(model_dir), loglik(Path(result.checkpoint_path))
+    assert after > before + 0.05, (before, after)  # nats per token
 
 
 def test_failed_training_leaves_serving_and_watermark(gateway: Gateway, tmp_path: Path) -> None:

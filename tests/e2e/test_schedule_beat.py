@@ -141,6 +141,8 @@ def _run_and_check(
         with sessions.begin() as session:  # an edit while both beats run
             edited = update_schedule(session, schedule.id, {"interval_s": 2})
         _wait_for_firings(sessions, schedule.id, 1, after=edited.updated_at.timestamp())
+        # Both beats compete for the slots: run until one has lost a claim (checked below).
+        wait_until(lambda: _lost_claims(logs) >= 1, timeout_s=60, what="a beat loses a claim", interval_s=0.1)
     finally:
         stop(beats)
     with sessions() as session:
@@ -182,8 +184,11 @@ def _run_and_check(
     assert all(f.fired_at < disabled.updated_at for f in firings)
 
     # Both beats competed for the slots: the loser of a claim says so and sends nothing.
-    lost = sum(log.read_text().count(LOST_CLAIM) for log in logs.glob("beat-*.log"))
-    assert lost >= 1
+    assert _lost_claims(logs) >= 1
+
+
+def _lost_claims(logs: Path) -> int:
+    return sum(log.read_text().count(LOST_CLAIM) for log in logs.glob("beat-*.log"))
 
 
 def _wait_for_firings(sessions: sessionmaker[Session], schedule_id: str, count: int, *, after: float) -> None:

@@ -487,3 +487,24 @@ def test_gspo_and_cispo_take_grpo_advantages_and_their_own_surrogate(estimator: 
     samples = [Sample(prompt_token_ids=[1], response_token_ids=[2], group_index=0, reward=r) for r in (1.0, 0.0, 0.5)]
     grpo = compute_advantages(samples, TrainConfig())
     torch.testing.assert_close(compute_advantages(samples, config), grpo)
+
+
+# --- supervised (SFT) samples ---------------------------------------------------------------------------
+
+
+def test_supervised_tokens_take_the_sft_term_not_the_policy_gradient() -> None:
+    """Sample 1 is supervised (a corrected answer): -logp, weighted by sft_coef, instead of pg."""
+    log_probs = torch.tensor(LOG_PROBS, requires_grad=True)
+    supervised = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    config = PolicyLossConfig(sft_coef=2.0)
+    result = policy_loss_function(config, log_probs, ADVANTAGES, LOSS_MASK, supervised=supervised)
+    # pg: sample 0 only, on-policy -A = -1, -1 -> (-1 + 0) / 2; sft: -logp = 0.5 on sample 1 -> (0 + 0.5) / 2
+    assert float(result.pg_loss) == pytest.approx(-0.5)
+    assert float(result.sft_loss) == pytest.approx(0.25)  # type: ignore[arg-type]
+    assert result.loss.item() == pytest.approx(-0.5 + 2.0 * 0.25)
+    result.loss.backward()
+    # pg: -A / 2 tokens / 2 samples; sft: -sft_coef / 1 token / 2 samples; padding: 0
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-0.25, -0.25], [-1.0, 0.0]]))
+    assert policy_loss_function(config, log_probs, ADVANTAGES, LOSS_MASK).sft_loss is None
+    with pytest.raises(ValueError, match="sft_coef"):
+        PolicyLossConfig(sft_coef=-1.0)

@@ -17,8 +17,6 @@ from learner.rewards import (
     Normalization,
     RewardError,
     call_reward_post_process,
-    corrected_answer_sample,
-    feedback_group,
     feedback_reward,
     normalization_for,
     normalize_group_rewards,
@@ -121,52 +119,13 @@ def test_unusable_feedback_is_refused(record: PlainFeedback, message: str) -> No
     ("kwargs", "message"),
     [
         ({"up": math.inf}, "'up' must be a finite number"),
-        ({"corrected_answer": True}, "'corrected_answer' must be a finite number"),
+        ({"down": True}, "'down' must be a finite number"),
         ({"up": -1.0, "down": 1.0}, "'up' \\(-1.0\\) must exceed 'down' \\(1.0\\)"),
     ],
 )
 def test_mapping_is_validated(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(RewardError, match=message):
         FeedbackRewardMapping(**kwargs)
-
-
-def test_feedback_group_without_a_correction() -> None:
-    rated = rated_sample()
-    assert feedback_group(rated, feedback(rating="down")) == [rated]
-    assert rated.reward == -1.0
-
-
-def test_a_corrected_answer_joins_the_group_as_a_preferred_sample() -> None:
-    rated = rated_sample()
-    group = feedback_group(rated, feedback(rating="down", corrected_answer="4"), corrected_token_ids=[6, 7])
-    assert group[0] is rated and rated.reward == -1.0
-    corrected = group[1]
-    assert (
-        corrected.prompt_token_ids == rated.prompt_token_ids
-        and corrected.prompt_token_ids is not rated.prompt_token_ids
-    )
-    assert corrected.response_token_ids == [6, 7] and corrected.response == "4"
-    assert corrected.reward == 1.0
-    assert corrected.group_index == 9 and corrected.user_id == "u1" and corrected.session_id == "s1"
-    assert corrected.rollout_log_probs is None and corrected.weight_versions == []  # the policy never produced it
-    assert corrected.status is SampleStatus.COMPLETED
-    assert corrected.metadata == {"source": "corrected_answer", "corrected_completion_id": "chatcmpl-1"}
-    # after group normalisation it is the answer GRPO moves towards
-    _, rewards = post_process_rewards(Args(), group)
-    assert rewards[1] > 0 > rewards[0]
-
-
-def test_corrected_answer_reward_is_configurable() -> None:
-    mapping = FeedbackRewardMapping(corrected_answer=0.5)
-    group = feedback_group(rated_sample(), feedback(score=0.0, corrected_answer="x"), mapping, corrected_token_ids=[8])
-    assert [s.reward for s in group] == [0.0, 0.5]
-
-
-def test_a_corrected_answer_needs_its_tokens() -> None:
-    with pytest.raises(RewardError, match="pass its token ids"):
-        feedback_group(rated_sample(), feedback(rating="up", corrected_answer="4"))
-    with pytest.raises(RewardError, match="has no tokens"):
-        corrected_answer_sample(rated_sample(), [], reward=1.0)
 
 
 # reward plugins

@@ -169,6 +169,7 @@ async def test_connection_refused_is_retried_on_another_replica(pool: EnginePool
     assert not pool.replicas[victim].healthy  # ejected at once, not at the next probe
 
 
+@pytest.mark.parametrize("pool_config", [CONFIG])  # a one-piece reply has no stall timeout: the probe finds it
 @pytest.mark.parametrize("stall_timeout_s", [2.0])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_stalled_replica_is_retried_before_anything_was_delivered(
