@@ -215,6 +215,7 @@ def test_a_corrected_answer_is_trained_and_becomes_more_likely(
         return float(response_log_probs(model, [corrected], 4096)[0].mean())
 
     before, after = loglik(model_dir), loglik(Path(result.checkpoint_path))
+    print("corrected answer, mean log-prob per token: before", before, "after", after)
     assert after > before + 0.05, (before, after)  # nats per token
 
 
