@@ -11,8 +11,8 @@
          rule): with a reward they count in their group's statistics and the filter, as in slime;
          without one (an unreadable judge verdict) their advantage is 0
       -> buffer filter hook -> the samples to train and one advantage each
-      -> REINFORCE++-baseline: the advantages whitened over the batch's trained tokens (slime's
-         --normalize-advantages, which that estimator requires; the step loss does the same)
+      -> with ``normalize_advantages``, and always for REINFORCE++-baseline (slime requires it there):
+         the advantages whitened over the batch's trained tokens, as the step loss does
 
 Group indices are the rated samples' (``learner.collect`` numbers prompts 0..G-1 in order).
 """
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from learner.algorithms import masked_whiten
-from learner.batching import apply_dynamic_filter, call_buffer_filter, check_reward_nonzero_std, trained_token_counts
+from learner.batching import apply_dynamic_filter, call_buffer_filter, check_reward_nonzero_std
 from learner.plugins import Plugin
 from learner.rewards import normalization_for, post_process_rewards
 from learner.rollout import RolloutConfig, RolloutError, rollout_groups
 from learner.sample import Sample
+from learner.trainers.step_loss import whiten_advantages
 
 __all__ = ["GroupSettings", "GroupedBatch", "Scorer", "build_groups"]
 
@@ -45,6 +45,7 @@ class GroupSettings:
     rollout: RolloutConfig
     advantage_estimator: str = "grpo"
     std_normalization: bool = True
+    normalize_advantages: bool = False  # slime's --normalize-advantages (always for REINFORCE++-baseline)
     refill_attempts: int = 1
     dynamic_filter: Plugin | None = None  # None: keep groups whose rewards vary
     reward_post_process: Plugin | None = None
@@ -118,9 +119,8 @@ def build_groups(
         kept = call_buffer_filter(settings.buffer_filter, args, kept)
     batch.samples = kept
     batch.advantages = [advantage_of[id(s)] for s in kept]
-    counts = trained_token_counts(kept)
-    if settings.advantage_estimator == "reinforce_plus_plus_baseline" and counts.sum() > 0:
-        batch.advantages = masked_whiten(torch.tensor(batch.advantages), counts).tolist()
+    if settings.advantage_estimator == "reinforce_plus_plus_baseline" or settings.normalize_advantages:
+        batch.advantages = whiten_advantages(torch.tensor(batch.advantages), kept).tolist()
     return batch
 
 

@@ -22,6 +22,7 @@ from learner.algorithms import (
     broadcast_to_tokens,
     entropy_from_logits,
     grpo_advantages,
+    masked_whiten,
     policy_loss_function,
     reduce_masked,
     reinforce_plus_plus_baseline_advantages,
@@ -47,6 +48,7 @@ __all__ = [
     "target_scores",
     "token_log_probs",
     "token_log_probs_and_entropy",
+    "whiten_advantages",
 ]
 
 
@@ -108,12 +110,21 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
 
 
 def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor:
-    """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its own)."""
+    """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its
+    own), whitened over the trained tokens with ``normalize_advantages`` (``whiten_advantages``)."""
     rewards = torch.tensor([s.reward_value(config.reward_key) for s in samples], dtype=torch.float32)
     groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
     if config.advantage_estimator in ("grpo", "gspo", "cispo"):  # slime normalises all three alike
-        return grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
+        advantages = grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
+        return whiten_advantages(advantages, samples) if config.normalize_advantages else advantages
     return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=trained_token_counts(samples))
+
+
+def whiten_advantages(advantages: Tensor, samples: Sequence[Sample]) -> Tensor:
+    """slime's --normalize-advantages: whitened over every trained token of the batch (each sample
+    weighted by its trained token count); unchanged when no token is trained."""
+    counts = trained_token_counts(samples)
+    return masked_whiten(advantages, counts) if counts.sum() > 0 else advantages
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,9 @@ class TrainConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     advantage_estimator: AdvantageEstimator = "grpo"
     grpo_std_normalization: bool = True
+    # slime's --normalize-advantages: whiten the advantages over every trained token of the batch
+    # (always on for reinforce_plus_plus_baseline, which slime requires it for).
+    normalize_advantages: bool = False
     reward_key: str | None = None
     max_tokens_per_micro_batch: int = 4096
     clip_grad: float | None = 1.0  # slime's --clip-grad; None: no clipping (the norm is still reported)

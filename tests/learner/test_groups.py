@@ -117,16 +117,17 @@ def test_buffer_filter_and_post_process_hooks_apply() -> None:
     assert batch.advantages == [2 * s.reward_value() for s in batch.samples]  # the hook's, not normalised
 
 
-def test_reinforce_plus_plus_baseline_advantages_equal_the_step_losss() -> None:
-    """slime centres each group, then whitens the advantages over every trained token of the batch
-    (--normalize-advantages); a round's advantages and the step loss's own must agree."""
+@pytest.mark.parametrize(("estimator", "normalize"), [("reinforce_plus_plus_baseline", False), ("grpo", True)])
+def test_whitened_advantages_equal_the_step_losss(estimator: str, normalize: bool) -> None:
+    """slime whitens the advantages over every trained token of the batch with --normalize-advantages
+    (which REINFORCE++-baseline requires); a round's advantages and the step loss's own must agree."""
     long_rated = [
         Sample(prompt_token_ids=[1, 0], response_token_ids=[5] * 7, group_index=0, reward=1.0),
         Sample(prompt_token_ids=[1, 1], response_token_ids=[5] * 3, group_index=1, reward=-1.0),
     ]
-    settings = GroupSettings(ROLLOUT, advantage_estimator="reinforce_plus_plus_baseline")
+    settings = GroupSettings(ROLLOUT, advantage_estimator=estimator, normalize_advantages=normalize)
     batch = build_groups(long_rated, settings, server_url="http://x", admin_key="k", score=score, args=None)
-    config = TrainConfig(advantage_estimator="reinforce_plus_plus_baseline")
+    config = TrainConfig(advantage_estimator=estimator, normalize_advantages=normalize)  # type: ignore[arg-type]
     assert batch.advantages == pytest.approx(compute_advantages(batch.samples, config).tolist(), abs=1e-6)
     # Whitened over tokens: weighted by each sample's token count, mean 0 and variance 1.
     weights = [s.response_length for s in batch.samples]
