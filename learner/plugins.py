@@ -52,6 +52,7 @@ class HookKind(StrEnum):
     ROLLOUT = "rollout"
     EVAL_ROLLOUT = "eval_rollout"
     CUSTOM_LOSS = "custom_loss"
+    CUSTOM_TIS = "custom_tis"
     EVAL = "eval"
 
 
@@ -142,6 +143,15 @@ _SPECS = (
         "(loss, metrics)",
         False,
         "--custom-loss-function-path",
+    ),
+    # slime's per-sample lists (response tokens only); pg_loss flat over them. Called with keywords.
+    HookSpec(
+        HookKind.CUSTOM_TIS,
+        ("args",),
+        "(pg_loss, loss_masks, metrics)",
+        False,
+        "--custom-tis-function-path",
+        keywords=("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "total_lengths", "response_lengths"),
     ),
 )
 HOOKS: Mapping[HookKind, HookSpec] = MappingProxyType({spec.kind: spec for spec in _SPECS})

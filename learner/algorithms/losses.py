@@ -14,6 +14,7 @@ non-finite value there makes its local gradient NaN even though the mask leaves 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -27,6 +28,12 @@ Reduction = Literal["sample_mean", "token_mean"]
 # The policy-gradient term: PPO's clipped surrogate per token, GSPO's on the sequence-level ratio,
 # CISPO's clipped importance weight times log-prob (slime picks it with --advantage-estimator).
 Surrogate = Literal["ppo", "gspo", "cispo"]
+# How TIS treats a token whose ratio is outside [tis_clip_low, tis_clip]: clamp it (slime's
+# vanilla_tis_function) or drop it (icepop_function).
+TISMode = Literal["truncate", "icepop"]
+# A custom TIS function on one micro-batch's per-token values: (pg_loss, logp_train, logp_rollout,
+# pg_mask) -> (pg_loss, pg_mask, per-token metrics) (``learner.trainers.step_loss`` adapts slime's).
+TISFunction = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
 LOW_VAR_KL_CLAMP = 10.0  # slime clamps low_var_kl to [-10, 10]
 
 
@@ -171,9 +178,9 @@ def entropy_from_log_probs(log_p: Tensor) -> Tensor:
 class TISResult:
     """Truncated importance sampling, per token."""
 
-    weights: Tensor  # clamp(ratio, tis_clip_low, tis_clip), no gradient
+    weights: Tensor  # clamp(ratio, tis_clip_low, tis_clip) (icepop: ratio inside the range, else 0), no gradient
     ratio: Tensor  # exp(logp_train - logp_rollout), slime's "tis" metric
-    clipfrac: Tensor  # 1.0 where the clamp changed the ratio
+    clipfrac: Tensor  # 1.0 where the clamp (or the drop) changed the ratio
     abs: Tensor  # |ratio - 1|, slime's "tis_abs": how far the engine and the trainer disagree
 
 
@@ -182,8 +189,10 @@ def compute_tis_weights(
     rollout_log_probs: Tensor,
     tis_clip: float = 2.0,
     tis_clip_low: float = 0.0,
+    mode: TISMode = "truncate",
 ) -> TISResult:
-    """``w = clamp(exp(logp_train - logp_rollout), tis_clip_low, tis_clip)`` (slime's ``--use-tis``).
+    """``w = clamp(exp(logp_train - logp_rollout), tis_clip_low, tis_clip)`` (slime's ``--use-tis``);
+    ``mode="icepop"``: ``w = ratio`` inside the range and 0 outside (slime's ``icepop_function``).
 
     ``logp_rollout`` is the behaviour policy's log-prob logged at serving time, ``logp_train`` the
     trainer's log-prob of the same token before this step's update. Corrects for the serving engine
@@ -192,7 +201,10 @@ def compute_tis_weights(
     if tis_clip < tis_clip_low:
         raise ValueError(f"tis_clip ({tis_clip}) must be >= tis_clip_low ({tis_clip_low})")
     ratio = torch.exp(_as_float(train_log_probs).detach() - _as_float(rollout_log_probs).detach())
-    weights = ratio.clamp(tis_clip_low, tis_clip)
+    if mode == "icepop":
+        weights = torch.where((ratio >= tis_clip_low) & (ratio <= tis_clip), ratio, torch.zeros_like(ratio))
+    else:
+        weights = ratio.clamp(tis_clip_low, tis_clip)
     return TISResult(weights=weights, ratio=ratio, clipfrac=(weights != ratio).to(ratio.dtype), abs=(ratio - 1).abs())
 
 
@@ -282,6 +294,7 @@ class PolicyLossConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    tis_mode: TISMode = "truncate"
     reduction: Reduction = "sample_mean"  # "token_mean" is slime's --calculate-per-token-loss
     sft_coef: float = 1.0  # weight of the SFT term (-logp) on supervised samples, e.g. corrected answers
 
@@ -297,6 +310,8 @@ class PolicyLossConfig:
             errors.append(f"kl_loss_type must be one of {get_args(KLType)}, got {self.kl_loss_type!r}")
         if self.tis_clip < self.tis_clip_low or self.tis_clip_low < 0:
             errors.append(f"need 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low} and {self.tis_clip}")
+        if self.tis_mode not in get_args(TISMode):
+            errors.append(f"tis_mode must be one of {get_args(TISMode)}, got {self.tis_mode!r}")
         if self.reduction not in get_args(Reduction):
             errors.append(f"reduction must be one of {get_args(Reduction)}, got {self.reduction!r}")
         if errors:
@@ -319,11 +334,13 @@ class LossResult:
     sft_loss: Tensor | None = None  # mean -logp of the supervised samples' tokens, when there are any
     ois: Tensor | None = None  # mean exp(logp - logp_old), the on-policy importance ratio, with use_tis
     train_rollout_logprob_abs_diff: Tensor | None = None  # with rollout log-probs
+    tis_metrics: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # a custom TIS function's, reduced
 
     def parts(self) -> dict[str, Tensor]:
         """The values that are set, detached, keyed by slime's metric names (still on the device)."""
-        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-        return {name: value.detach() for name, value in values if value is not None}
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "tis_metrics")
+        named = {name: value.detach() for name, value in values if value is not None}
+        return named | {name: value.detach() for name, value in self.tis_metrics.items()}
 
     def metrics(self) -> dict[str, float]:
         """``parts`` as floats (one device sync)."""
@@ -346,6 +363,7 @@ def policy_loss_function(
     cu_seqlens: Tensor | None = None,
     surrogate: Surrogate = "ppo",
     supervised: Tensor | None = None,
+    tis_function: TISFunction | None = None,
 ) -> LossResult:
     """``loss = R(pg * w) + sft_coef * R(-logp on supervised tokens) + kl_loss_coef * R(KL(logp, logp_ref))
     - entropy_coef * R(H)``.
@@ -359,6 +377,8 @@ def policy_loss_function(
     ``surrogate``: ``pg`` from ``compute_policy_loss`` (ppo), ``compute_gspo_loss`` or ``compute_cispo_loss``.
     ``supervised``: 1 on tokens trained by likelihood (slime's ``sft_loss``) instead of the policy
     gradient: ``pg`` and its metrics leave them out, the KL and entropy terms keep them.
+    ``tis_function``: replaces the built-in TIS (with ``use_tis``); it may reweight ``pg`` and drop
+    tokens from it, and its per-token metrics are reduced like the others.
     """
     if surrogate not in get_args(Surrogate):
         raise ValueError(f"surrogate must be one of {get_args(Surrogate)}, got {surrogate!r}")
@@ -392,9 +412,12 @@ def policy_loss_function(
         pg = compute_cispo_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high)
     else:
         pg = compute_policy_loss(log_probs, old, advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c)
-    pg_values, tis = pg.loss, None
-    if config.use_tis and rollout_log_probs is not None:
-        tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low)
+    pg_values, tis, tis_metrics = pg.loss, None, {}
+    if config.use_tis and rollout_log_probs is not None and tis_function is not None:
+        pg_values, pg_mask, per_token = tis_function(pg_values, _as_float(old).detach(), rollout_log_probs, pg_mask)
+        tis_metrics = {name: reduce(value.detach(), pg_mask) for name, value in per_token.items()}
+    elif config.use_tis and rollout_log_probs is not None:
+        tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low, config.tis_mode)
         pg_values = pg_values * tis.weights
     pg_loss = reduce(pg_values, pg_mask)
     loss = pg_loss
@@ -431,5 +454,6 @@ def policy_loss_function(
         tis_abs=None if tis is None else reduce(tis.abs, pg_mask),
         ois=None if tis is None else reduce(torch.exp(-pg.approx_kl).detach(), pg_mask),
         sft_loss=None if sft_loss is None else sft_loss.detach(),
+        tis_metrics=tis_metrics,
         train_rollout_logprob_abs_diff=abs_diff,
     )

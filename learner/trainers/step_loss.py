@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from learner.algorithms import (
+    TISFunction,
     broadcast_to_tokens,
     entropy_from_logits,
     grpo_advantages,
@@ -44,6 +46,7 @@ __all__ = [
     "micro_batch_loss",
     "prepare_step",
     "shifted",
+    "slime_tis",
     "step_metrics",
     "target_scores",
     "token_log_probs",
@@ -136,6 +139,7 @@ class StepInputs:
     behaviour: Sequence[Sequence[float] | None] | None  # the TIS denominators, with use_tis
     num_tokens: int  # trained tokens over the whole step, at least 1 per sample (token_mean's denominator)
     custom: Plugin | None
+    tis_plugin: Plugin | None = None  # slime's --custom-tis-function-path, replacing the built-in TIS
     # Some sample of the step is supervised: every micro-batch then reports sft_loss (data-parallel
     # replicas sum the same named values, so a name must not depend on a micro-batch's samples).
     supervised: bool = False
@@ -177,6 +181,7 @@ def prepare_step(
         # At least 1 per sample, as slime counts a fully masked (removed) sample's tokens.
         num_tokens=int(trained_token_counts(samples).clamp_min(1).sum()),
         custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
+        tis_plugin=load_plugin(config.custom_tis_path, HookKind.CUSTOM_TIS) if config.custom_tis_path else None,
         supervised=any(s.supervised for s in samples),
     )
 
@@ -316,8 +321,52 @@ def micro_batch_loss(
         cu_seqlens=cu_seqlens,
         surrogate=config.surrogate,
         supervised=supervised,
+        tis_function=None if inputs.tis_plugin is None else slime_tis(inputs.tis_plugin, config, samples, batch),
     )
     return result.loss, result.parts()
+
+
+def slime_tis(plugin: Plugin, config: TrainConfig, samples: Sequence[Sample], batch: PackedMicroBatch) -> TISFunction:
+    """A CUSTOM_TIS plugin as ``policy_loss_function``'s ``tis_function`` on one packed micro-batch.
+
+    slime's contract: ``f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+    total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)``, with ``pg_loss`` flat over
+    the samples' response tokens, the others one ``[response_length]`` tensor per sample, and
+    per-token metrics flat like ``pg_loss``. ``args`` carries the train and loss settings by slime's
+    names (``tis_clip``, ``tis_clip_low``, ...).
+
+    Raises:
+        PluginError: a result that is not that triple of matching shapes.
+    """
+    cu = batch.cu_seqlens.tolist()
+    indices = list(batch.sample_indices)
+    spans = [(cu[k] + samples[i].prompt_length, cu[k + 1]) for k, i in enumerate(indices)]
+    lengths = [end - start for start, end in spans]
+    totals = [samples[i].total_length for i in indices]
+    args = SimpleNamespace(**{f.name: getattr(config, f.name) for f in fields(config)}, **asdict(config.loss))
+
+    def tis(pg: Tensor, old: Tensor, rollout: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        at = torch.cat([torch.arange(start, end) for start, end in spans]).to(pg.device)
+        result = plugin.call(
+            args,
+            pg_loss=pg[at],
+            train_log_probs=list(old[at].split(lengths)),
+            rollout_log_probs=list(rollout[at].split(lengths)),
+            loss_masks=list(mask[at].split(lengths)),
+            total_lengths=totals,
+            response_lengths=lengths,
+        )
+        if not (isinstance(result, tuple) and len(result) == 3):
+            raise plugin.error(f"returned {type(result).__name__}, not (pg_loss, loss_masks, metrics)")
+        new_pg, new_masks, metrics = result
+        flat = [new_pg, *(new_masks if isinstance(new_masks, list) else []), *dict(metrics or {}).values()]
+        if not all(isinstance(t, Tensor) for t in flat) or new_pg.shape != at.shape or len(new_masks) != len(spans):
+            raise plugin.error("returned values of other shapes than it was given")
+        masks = torch.cat([m.to(mask.dtype) for m in new_masks])
+        per_token = {name: torch.zeros_like(pg).index_copy(0, at, v.to(pg.dtype)) for name, v in metrics.items()}
+        return pg.index_copy(0, at, new_pg), mask.index_copy(0, at, masks), per_token
+
+    return tis
 
 
 class StepTotals:

@@ -45,6 +45,7 @@ class TrainConfig:
     clip_grad: float | None = 1.0  # slime's --clip-grad; None: no clipping (the norm is still reported)
     use_rollout_logprobs: bool = False
     custom_loss_path: str | None = None  # slime's --custom-loss-function-path (see ``custom_loss``)
+    custom_tis_path: str | None = None  # slime's --custom-tis-function-path: replaces the built-in TIS
     backend: Backend = "torch"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -71,10 +72,14 @@ class TrainConfig:
         refusal = self.megatron.custom_loss_refusal()
         if self.backend == "megatron" and self.custom_loss_path is not None and refusal:
             errors.append(refusal)
+        if self.custom_tis_path is not None and not self.loss.use_tis:
+            errors.append("custom_tis_path needs loss.use_tis")
         if errors:
             raise ValueError("invalid train config: " + "; ".join(errors))
         if self.custom_loss_path is not None:
             load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
+        if self.custom_tis_path is not None:
+            load_plugin(self.custom_tis_path, HookKind.CUSTOM_TIS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from learner.batching import DynamicFilterOutput
 from learner.sample import Sample
 
@@ -189,3 +191,26 @@ def loss_not_a_tuple(
     args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any
 ) -> Any:  # invalid at runtime
     return sum_of_sample_mean(batch["log_probs"])
+
+
+# CUSTOM_TIS: slime's contract, written as slime's vanilla_tis_function and icepop_function are.
+
+
+def tis_vanilla(
+    args: Any, *, pg_loss: Any, train_log_probs: Any, rollout_log_probs: Any, loss_masks: Any, **kwargs: Any
+) -> tuple[Any, Any, dict[str, Any]]:
+    tis = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    weights = torch.clamp(tis, min=args.tis_clip_low, max=args.tis_clip)
+    return pg_loss * weights, loss_masks, {"custom_tis": tis, "custom_tis_clipfrac": (weights != tis).float()}
+
+
+def tis_drop_first_tokens(
+    args: Any, *, pg_loss: Any, train_log_probs: Any, rollout_log_probs: Any, loss_masks: Any, **kwargs: Any
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Masks out every sample's first response token (a mask change, as icepop-like filters make)."""
+    masks = [torch.cat([m[:1] * 0, m[1:]]) for m in loss_masks]
+    return pg_loss, masks, {}
+
+
+def tis_wrong_shape(args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:  # invalid at runtime
+    return kwargs["pg_loss"][:1], kwargs["loss_masks"], {}

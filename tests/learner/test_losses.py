@@ -508,3 +508,17 @@ def test_supervised_tokens_take_the_sft_term_not_the_policy_gradient() -> None:
     assert policy_loss_function(config, log_probs, ADVANTAGES, LOSS_MASK).sft_loss is None
     with pytest.raises(ValueError, match="sft_coef"):
         PolicyLossConfig(sft_coef=-1.0)
+
+
+def test_icepop_drops_tokens_outside_the_range_instead_of_clamping() -> None:
+    """slime's icepop_function: w = ratio inside [tis_clip_low, tis_clip], else 0."""
+    config = PolicyLossConfig(use_tis=True, tis_clip=2.0, tis_mode="icepop")
+    log_probs = torch.tensor(LOG_PROBS, requires_grad=True)
+    # exp(logp - logp_rollout) = 3, 1 | 0.5 -> weights 0 (dropped), 1 | 0.5
+    rollout = torch.tensor(LOG_PROBS) - torch.tensor([[LN(3.0), 0.0], [LN(0.5), 0.0]])
+    result = policy_loss_function(config, log_probs, ADVANTAGES, LOSS_MASK, rollout_log_probs=rollout)
+    # pg * w = 0, -1 | 0.25: sample mean (-0.5 + 0.25) / 2
+    assert float(result.pg_loss) == pytest.approx(-0.125)
+    assert float(result.tis_clipfrac) == pytest.approx(0.25)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tis_mode"):
+        PolicyLossConfig(tis_mode="clip")  # type: ignore[arg-type]

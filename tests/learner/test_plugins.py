@@ -110,6 +110,7 @@ INVOKE = {
     HookKind.ROLLOUT: functools.partial(invoke_rollout, evaluation=False),
     HookKind.EVAL_ROLLOUT: functools.partial(invoke_rollout, evaluation=True),
     HookKind.CUSTOM_LOSS: invoke_signature_only,
+    HookKind.CUSTOM_TIS: invoke_signature_only,  # run in tests/learner/trainers/test_train_step.py
     HookKind.EVAL: invoke_reward,
 }
 
@@ -166,6 +167,8 @@ CASES = [
     Case(HookKind.EVAL, examples("reward_length")),
     Case(HookKind.EVAL, examples("reward_sync"), "load", "must be 'async def'"),
     Case(HookKind.CUSTOM_LOSS, examples("custom_loss_three_params"), "load", "takes 3 positional parameters"),
+    Case(HookKind.CUSTOM_TIS, examples("tis_vanilla")),
+    Case(HookKind.CUSTOM_TIS, examples("custom_loss_three_params"), "load", "does not accept the keyword"),
 ]
 
 USER_CASES = [

@@ -148,3 +148,34 @@ def test_all_finite_finds_one_bad_element_among_many_tensors(bad: float) -> None
     assert all_finite(tensors) and all_finite([])
     tensors[1][2] = bad
     assert not all_finite(tensors)
+
+
+def test_a_custom_tis_function_with_slimes_contract_replaces_the_built_in(base_dir: Path) -> None:
+    """slime's vanilla TIS written as a plugin steps exactly as the built-in; its metrics are reported."""
+    samples = random_samples(6, seed=6, with_log_probs=True)
+    stepped = []
+    for path in (None, "tests.learner.plugins_examples:tis_vanilla"):
+        model = load_tiny(base_dir)
+        loss = PolicyLossConfig(use_tis=True, tis_clip=1.5)
+        config = TrainConfig(loss=loss, clip_grad=None, max_tokens_per_micro_batch=16, custom_tis_path=path)
+        stepped.append((train_step(model, sgd(model), samples, config), weights(model)))
+    (built_in, built_in_weights), (custom, custom_weights) = stepped
+    assert custom["custom_tis"] == pytest.approx(built_in["tis"], rel=1e-5)
+    assert custom["custom_tis_clipfrac"] == pytest.approx(built_in["tis_clipfrac"], abs=1e-6)
+    assert custom["pg_loss"] == pytest.approx(built_in["pg_loss"], rel=1e-5) and "tis" not in custom
+    for name, tensor in built_in_weights.items():
+        torch.testing.assert_close(custom_weights[name], tensor, atol=1e-6, rtol=1e-4)
+
+
+def test_a_custom_tis_function_may_drop_tokens_and_is_checked(base_dir: Path) -> None:
+    samples = random_samples(4, seed=7, with_log_probs=True)
+    loss = PolicyLossConfig(use_tis=True)
+    plain = train_step(load_tiny(base_dir), sgd(load_tiny(base_dir)), samples, TrainConfig(loss=loss))
+    model = load_tiny(base_dir)
+    dropped = TrainConfig(loss=loss, custom_tis_path="tests.learner.plugins_examples:tis_drop_first_tokens")
+    assert train_step(model, sgd(model), samples, dropped)["pg_loss"] != pytest.approx(plain["pg_loss"])
+    with pytest.raises(ValueError, match=r"custom_tis_path needs loss\.use_tis"):
+        TrainConfig(custom_tis_path="tests.learner.plugins_examples:tis_vanilla")
+    wrong = TrainConfig(loss=loss, custom_tis_path="tests.learner.plugins_examples:tis_wrong_shape")
+    with pytest.raises(PluginError, match="other shapes"):
+        train_step(model, sgd(model), samples, wrong)
