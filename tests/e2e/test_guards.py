@@ -62,14 +62,15 @@ def test_a_reward_for_short_answers_is_hacked_and_the_guard_holds_the_candidate_
     gateway: Gateway, tmp_path: Path
 ) -> None:
     before = serving(gateway)["weight_version"]
-    result = rollout_round(gateway, tmp_path, "tests.e2e.guard_rewards:short_answers", 5e-2, 4)
+    result = rollout_round(gateway, tmp_path, "tests.e2e.guard_rewards:short_answers", 5e-2, 6)
     assert result.status == "held_back", (result.status, result.error)
     reason = result.metrics["eval/reason"]
     assert reason.startswith("held back by the capability guard: ")
-    # Four steps at a high rate on a reward blind to content: the policy left the root far behind
-    # (measured: KL 1.86 per token, bound 0.2) and lost 0.96 nats per token on the reference answers
-    # (bound 0.3). The random model's answers were gibberish before and stay so: no degeneration
-    # check can see this collapse, the KL and the reference answers do.
+    # Six steps at a high rate on a reward blind to content: the policy left the root far behind
+    # (measured: KL 1.02 per token, bound 0.2; four steps gave 0.38 once the rated answers were scored
+    # at the temperature they were sampled at, 0.9, as slime scores rollouts) and lost the reference
+    # answers (bound 0.3). The random model's answers were gibberish before and stay so: no
+    # degeneration check can see this collapse, the KL and the reference answers do.
     assert "kl_to_root" in reason and "reference_loglik" in reason
     assert result.metrics["guard/kl_to_root"] > 2 * GUARD.max_kl
     assert serving(gateway)["weight_version"] == before  # nothing collapsed reached the users
