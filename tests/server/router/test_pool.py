@@ -181,7 +181,7 @@ async def test_a_stalled_replica_is_retried_before_anything_was_delivered(
     began = time.monotonic()
     chunks = await run(pool, greedy(5), session_key=session, stream=stream)
     assert len(tokens(chunks)) == 5 and victim not in served_by(chunks)
-    assert time.monotonic() - began < 10  # the 2 s stall timeout, then another replica
+    assert time.monotonic() - began < 30  # the 2 s stall timeout, then another replica (not the 60 s default)
 
 
 async def test_a_garbled_reply_is_retried_on_another_replica(pool: EnginePool, replicas: Replicas) -> None:
