@@ -186,20 +186,22 @@ def zero_std_metrics(groups: Sequence[Sequence[Sample]], reward_key: str | None 
     return {f"rollout/zero_std/count_{reward}": n for reward, n in counts.items()}
 
 
-def call_buffer_filter(plugin: Plugin, args: object, samples: list[Sample]) -> list[Sample]:
-    """Run a buffer filter: it picks (and may reorder) samples, it never invents them.
+def call_buffer_filter(plugin: Plugin, args: object, rollout_id: int, groups: list[list[Sample]]) -> list[list[Sample]]:
+    """Run a buffer filter with slime's contract, ``(args, rollout_id, buffer, num_samples)``: the
+    buffer is the round's groups and ``num_samples`` all of them; it picks (and may reorder) groups,
+    popping from the buffer as slime's ``pop_first`` does, and never invents samples.
 
     Raises:
-        PluginError: a plugin of another kind, a result that is not a list, or an item that is not
-            one of the given samples.
+        PluginError: a plugin of another kind, a result that is not a list of lists, or a sample
+            that is not one of the given ones.
     """
     if plugin.kind is not HookKind.BUFFER_FILTER:
         raise plugin.error("is not a buffer filter")
-    selected = plugin.call(args, samples)
-    if not isinstance(selected, list):
-        raise plugin.error(f"returned a {type(selected).__name__}, not a list")
-    given = {id(s) for s in samples}
-    for item in selected:
+    given = {id(s) for group in groups for s in group}
+    selected = plugin.call(args, rollout_id, [list(group) for group in groups], len(groups))
+    if not isinstance(selected, list) or not all(isinstance(group, list) for group in selected):
+        raise plugin.error(f"returned a {type(selected).__name__}, not a list of groups (lists of samples)")
+    for item in (s for group in selected for s in group):
         if not isinstance(item, Sample) or id(item) not in given:
             raise plugin.error(f"returned {type(item).__name__} that is not one of the given samples")
     return selected
@@ -209,18 +211,18 @@ def call_buffer_filter(plugin: Plugin, args: object, samples: list[Sample]) -> l
 
 
 def split_removed(samples: Sequence[Sample]) -> tuple[list[Sample], list[Sample]]:
-    """``(trainable, removed)`` by the ``remove`` flag.
+    """``(trainable, removed)`` by the ``remove_sample`` flag.
 
     Run after rewards are normalised, so removed samples still count in their group's baseline as in
     slime; dropping them from the batch then changes no other sample's loss (losses are per sample).
     """
-    kept = [s for s in samples if not s.remove]
-    return kept, [s for s in samples if s.remove]
+    kept = [s for s in samples if not s.remove_sample]
+    return kept, [s for s in samples if s.remove_sample]
 
 
 def training_loss_mask(sample: Sample) -> list[int]:
     """The response loss mask the trainer uses: all zeros for a removed sample (slime's rule)."""
-    return [0] * sample.response_length if sample.remove else sample.resolved_loss_mask()
+    return [0] * sample.response_length if sample.remove_sample else sample.resolved_loss_mask()
 
 
 def trained_token_counts(samples: Sequence[Sample]) -> torch.Tensor:
@@ -374,7 +376,8 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
     """Build the packed tensors of ``micro_batch`` from ``samples`` (the list it was packed from).
 
     Raises:
-        PackingError: a sample whose length changed since packing, or one without a prompt token.
+        PackingError: a sample whose length changed since packing, one without a prompt token, or one
+            with multimodal inputs (the trained models are text-only).
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -386,8 +389,10 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         sample.validate()
         if sample.total_length != end - start:
             raise PackingError(f"sample {index} has {sample.total_length} tokens, packed as {end - start}")
-        if not sample.prompt_token_ids:
+        if not sample.prompt_length:
             raise PackingError(f"sample {index} has no prompt token: its first response token has no prediction")
+        if sample.multimodal_train_inputs is not None:
+            raise PackingError(f"sample {index} has multimodal_train_inputs: tandem trains text-only models")
         ids += sample.tokens
         positions += range(sample.total_length)
         mask += sequence_loss_mask(sample)

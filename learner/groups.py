@@ -10,7 +10,7 @@
       -> samples marked ``remove`` stay in the batch and train nothing (a zero loss mask, slime's
          rule): with a reward they count in their group's statistics and the filter, as in slime;
          without one (an unreadable judge verdict) their advantage is 0
-      -> buffer filter hook -> the samples to train and one advantage each
+      -> buffer filter hook (slime's, over the groups) -> the samples to train and one advantage each
       -> with ``normalize_advantages``, and always for REINFORCE++-baseline (slime requires it there):
          the advantages whitened over the batch's trained tokens, as the step loss does
 
@@ -31,6 +31,7 @@ from learner.plugins import Plugin
 from learner.rewards import normalization_for, post_process_rewards
 from learner.rollout import RolloutConfig, RolloutError, rollout_groups
 from learner.sample import Sample
+from learner.slime_args import SlimeArgs
 from learner.trainers.step_loss import whiten_advantages
 
 __all__ = ["GroupSettings", "GroupedBatch", "Scorer", "build_groups"]
@@ -66,17 +67,19 @@ def build_groups(
     server_url: str,
     admin_key: str,
     score: Scorer,
-    args: object,
+    args: SlimeArgs | None = None,
     rollout_id: int = 0,
 ) -> GroupedBatch:
-    """Samples to train with their advantages (see the module docstring); ``args`` goes to plugins,
-    ``rollout_id`` (slime's: which rollout of the run this is) to a ROLLOUT plugin, refills included."""
+    """Samples to train with their advantages (see the module docstring); ``args`` goes to plugins
+    (its ``reward_key`` picks a dict reward's scalar), ``rollout_id`` (slime's: which rollout of the
+    run this is) to a ROLLOUT plugin, refills included."""
+    reward_key = None if args is None else args.reward_key
     by_group: dict[int, list[Sample]] = {}
     for sample in rated:
         by_group.setdefault(_group_of(sample), []).append(sample)
     prompts = [by_group[g][0] for g in sorted(by_group)]
 
-    fresh = _fresh_groups(prompts, settings.rollout, server_url, admin_key, score, rollout_id)
+    fresh = _fresh_groups(prompts, settings.rollout, server_url, admin_key, score, rollout_id, args)
     groups = {g: by_group[g] + fresh[i] for i, g in enumerate(sorted(by_group))}
     filter_fn = settings.dynamic_filter or check_reward_nonzero_std
     refills = 0
@@ -87,7 +90,7 @@ def build_groups(
             break
         retry = sorted({_group_of(group[0]) for group, _ in dropped})
         again = _fresh_groups(
-            [by_group[g][0] for g in retry], settings.rollout, server_url, admin_key, score, rollout_id
+            [by_group[g][0] for g in retry], settings.rollout, server_url, admin_key, score, rollout_id, args
         )
         for g, samples in zip(retry, again, strict=True):
             groups[g] = by_group[g] + samples
@@ -96,27 +99,30 @@ def build_groups(
     result = apply_dynamic_filter(args, _as_groups(_scored(_kept(groups))), filter_fn)
     kept = [s for group in result.kept for s in group]
     kept_ids = {_group_of(s) for s in kept}
-    unscored = [s for s in _kept(groups) if s.reward is None and s.remove and _group_of(s) in kept_ids]
+    unscored = [s for s in _kept(groups) if s.reward is None and s.remove_sample and _group_of(s) in kept_ids]
     batch = GroupedBatch(
         metrics={
             "groups": len(groups),
             "groups_kept": len(result.kept),
             "groups_refilled": refills,
             "rollout_samples": sum(len(f) for f in fresh),
-            "removed_samples": sum(s.remove for s in _kept(groups)),
-            "rollout/raw_reward_mean": statistics.fmean(s.reward_value() for s in kept) if kept else 0.0,
+            "removed_samples": sum(s.remove_sample for s in _kept(groups)),
+            "rollout/raw_reward_mean": statistics.fmean(s.reward_value(reward_key) for s in kept) if kept else 0.0,
             **result.metrics(),
         }
     )
     if not kept:
         return batch
     normalization = normalization_for(settings.advantage_estimator, std_normalization=settings.std_normalization)
-    processed = post_process_rewards(args, kept, normalization=normalization, plugin=settings.reward_post_process)
+    processed = post_process_rewards(
+        args, kept, normalization=normalization, plugin=settings.reward_post_process, reward_key=reward_key
+    )
     advantage_of = {id(s): a for s, a in zip(kept, processed.rewards, strict=True)}
     advantage_of |= {id(s): 0.0 for s in unscored}
     kept = [s for g in sorted(kept_ids) for s in groups[g] if id(s) in advantage_of]
     if settings.buffer_filter is not None:
-        kept = call_buffer_filter(settings.buffer_filter, args, kept)
+        selected = call_buffer_filter(settings.buffer_filter, args, rollout_id, _as_groups(kept))
+        kept = [s for group in selected for s in group]
     batch.samples = kept
     batch.advantages = [advantage_of[id(s)] for s in kept]
     if settings.advantage_estimator == "reinforce_plus_plus_baseline" or settings.normalize_advantages:
@@ -125,9 +131,15 @@ def build_groups(
 
 
 def _fresh_groups(
-    prompts: list[Sample], config: RolloutConfig, server_url: str, admin_key: str, score: Scorer, rollout_id: int
+    prompts: list[Sample],
+    config: RolloutConfig,
+    server_url: str,
+    admin_key: str,
+    score: Scorer,
+    rollout_id: int,
+    args: SlimeArgs | None,
 ) -> list[list[Sample]]:
-    groups = rollout_groups(server_url, admin_key, prompts, config, rollout_id=rollout_id)
+    groups = rollout_groups(server_url, admin_key, prompts, config, rollout_id=rollout_id, args=args)
     if len(groups) != len(prompts):
         raise RolloutError(f"the rollout returned {len(groups)} groups for {len(prompts)} prompts")
     # A group belongs to the prompt whose group id it carries (a ROLLOUT plugin may reorder them, as
@@ -157,7 +169,7 @@ def _group_of(sample: Sample) -> int:
 
 def _scored(samples: list[Sample]) -> list[Sample]:
     # A removed sample may have no reward (an unreadable judge verdict): it cannot join statistics.
-    return [s for s in samples if not (s.remove and s.reward is None)]
+    return [s for s in samples if not (s.remove_sample and s.reward is None)]
 
 
 def _kept(groups: dict[int, list[Sample]]) -> list[Sample]:

@@ -261,7 +261,7 @@ def _record(sample: Sample, verdict: Verdict) -> Verdict:
         sample.reward = verdict.reward
         sample.metadata["judge"] = {"score": verdict.score, "reward": verdict.reward, "verdict": kept}
     else:
-        sample.remove = True
+        sample.remove_sample = True
         sample.metadata["judge"] = {"error": verdict.error, "verdict": kept}
     return verdict
 

@@ -7,6 +7,11 @@ given, whether it must be ``async``, and what it returns. ``load_plugin`` checks
 that entry before the first round runs, so a wrong plugin fails at start-up with a message naming the
 path and the expected signature, not halfway through a round.
 
+slime's own import paths (``from slime.utils.types import Sample``, ``slime.utils.http_utils.post``,
+``slime.rollout.sglang_rollout.GenerateState``, ...) resolve to ``learner/slime_compat``, tandem's
+versions of them, put first on ``sys.path`` before a plugin is imported: slime users' plugin files
+load unchanged.
+
 Parameter names are not checked (slime's contract tests do): only what the call needs, i.e. that
 the positional arguments bind, that required keyword-only parameters are none we do not pass, and
 that always-passed keywords are accepted by name or by ``**kwargs``.
@@ -17,9 +22,11 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -33,6 +40,7 @@ __all__ = [
     "load_plugin",
     "load_plugins",
     "split_path",
+    "use_slime_compat",
 ]
 
 
@@ -110,7 +118,13 @@ _SPECS = (
         False,
         "--dynamic-sampling-filter-path",
     ),
-    HookSpec(HookKind.BUFFER_FILTER, ("args", "samples"), "list[Sample]", False, "--buffer-filter-path"),
+    HookSpec(
+        HookKind.BUFFER_FILTER,
+        ("args", "rollout_id", "buffer", "num_samples"),
+        "list[list[Sample]]",
+        False,
+        "--buffer-filter-path",
+    ),
     HookSpec(
         HookKind.CUSTOM_GENERATE,
         ("args", "sample", "sampling_params"),
@@ -202,6 +216,16 @@ def split_path(path: str) -> tuple[str, str]:
     return module, attr
 
 
+SLIME_COMPAT = Path(__file__).with_name("slime_compat")
+
+
+def use_slime_compat() -> None:
+    """Put tandem's ``slime`` modules first on ``sys.path`` (once), ahead of any installed slime,
+    whose ``Sample`` the learner could not take."""
+    if str(SLIME_COMPAT) not in sys.path:
+        sys.path.insert(0, str(SLIME_COMPAT))
+
+
 @functools.cache
 def load_function(path: str) -> Any:
     """The object at ``path``, imported once (failures are not cached, so a fixed module loads).
@@ -210,6 +234,7 @@ def load_function(path: str) -> Any:
         PluginError: the module cannot be imported or has no such attribute.
     """
     module_name, attr = split_path(path)
+    use_slime_compat()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # user code: any import-time error is a config error to report

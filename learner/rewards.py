@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
-from learner.plugins import HookKind, Plugin
+from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample, SampleError
 
 __all__ = [
@@ -124,7 +124,9 @@ async def score_samples(
 
     Args:
         plugin: a ``REWARD`` or ``EVAL`` plugin (called once per sample, at most ``max_concurrency``
-            at a time) or a ``BATCHED_REWARD`` plugin (called once with all samples).
+            at a time; a sample's own ``custom_rm_path`` replaces it for that sample, as in slime) or
+            a ``BATCHED_REWARD`` plugin (slime's group reward model: called once per group, the
+            samples sharing a ``group_index``, groups one after the other).
         args: passed through to the plugin.
         samples: the samples to score.
         max_concurrency: bound on concurrent per-sample calls (a judge or remote model has limits).
@@ -144,24 +146,28 @@ async def score_samples(
     if not todo:
         return []
     if plugin.kind is HookKind.BATCHED_REWARD:
-        results = await plugin.call(args, todo)
-        if not isinstance(results, list | tuple) or len(results) != len(todo):
-            got = len(results) if isinstance(results, list | tuple) else type(results).__name__
-            raise plugin.error(f"returned {got} rewards for {len(todo)} samples")
-        rewards = [_checked_reward(plugin, r, f"sample {s.index}") for r, s in zip(results, todo, strict=True)]
+        groups: dict[int | None, list[Sample]] = {}
+        for sample in todo:
+            groups.setdefault(sample.group_index, []).append(sample)
+        for group in groups.values():
+            results = await plugin.call(args, group)
+            if not isinstance(results, list | tuple) or len(results) != len(group):
+                got = len(results) if isinstance(results, list | tuple) else type(results).__name__
+                raise plugin.error(f"returned {got} rewards for {len(group)} samples")
+            for sample, result in zip(group, results, strict=True):
+                sample.reward = _checked_reward(plugin, result, f"sample {sample.index}")
     elif plugin.kind in (HookKind.REWARD, HookKind.EVAL):
         gate = asyncio.Semaphore(max_concurrency)
 
-        async def one(sample: Sample) -> float | dict[str, Any]:
+        async def one(sample: Sample) -> None:
+            own = plugin if sample.custom_rm_path is None else load_plugin(sample.custom_rm_path, HookKind.REWARD)
             async with gate:
-                return _checked_reward(plugin, await plugin.call(args, sample), f"sample {sample.index}")
+                sample.reward = _checked_reward(own, await own.call(args, sample), f"sample {sample.index}")
 
-        rewards = list(await asyncio.gather(*(one(s) for s in todo)))
+        await asyncio.gather(*(one(s) for s in todo))
     else:
         raise plugin.error("is not a reward plugin")
-    for sample, reward in zip(todo, rewards, strict=True):
-        sample.reward = reward
-    return rewards
+    return [cast(float | dict[str, Any], s.reward) for s in todo]  # every one set above
 
 
 # post-processing

@@ -8,10 +8,17 @@ Extension points, as in slime:
 
 - ``custom_generate_path``: ``async (args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]``
   replaces the default generate, called ``n_samples_per_prompt`` times per prompt on a fresh copy of
-  the prompt sample; ``args`` is a ``RolloutArgs`` whose ``client`` already points at the gateway.
+  the prompt sample (a sample's own ``generate_function_path`` wins, as in slime).
 - ``rollout_path``: ``(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`` (or an
   object with ``.samples``, like slime's ``RolloutFnTrainOutput``) replaces the whole rollout;
   ``data_source`` is the list of prompt samples.
+
+Both get ``args``, a ``learner.slime_args.SlimeArgs``: slime's names for the settings, and while they
+run an SGLang ``/generate`` at ``args.sglang_router_ip``:``args.sglang_router_port``
+(``learner.sglang_router``), so slime's generate functions run unchanged. tandem's own plugins may use
+``args.client`` instead, an ``httpx.AsyncClient`` on the gateway with the admin key (None for a
+ROLLOUT plugin, which runs outside this module's event loop; ``args.server_url`` and
+``args.admin_key`` are there too).
 
 Usage from the round (sync code)::
 
@@ -21,6 +28,7 @@ Usage from the round (sync code)::
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -28,13 +36,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample, SampleStatus, scored_temperature
+from learner.sglang_router import sglang_router
+from learner.slime_args import SlimeArgs, slime_args
 from tandem.aio import gather_or_cancel
 
 __all__ = [
-    "RolloutArgs",
+    "PromptSource",
     "RolloutConfig",
     "RolloutError",
     "gateway_client",
@@ -118,41 +129,19 @@ class RolloutConfig:
         if self.rollout_path is not None:
             load_plugin(self.rollout_path, HookKind.ROLLOUT)
 
-
-@dataclass(frozen=True, slots=True)
-class RolloutArgs:
-    """What rollout plugins get as ``args`` (slime's namespace; read-only here).
-
-    ``client`` is an ``httpx.AsyncClient`` on the gateway with the admin key set (None for a
-    ROLLOUT plugin, which runs outside this module's event loop and opens its own from
-    ``server_url`` and ``admin_key``).
-    """
-
-    config: RolloutConfig
-    server_url: str
-    admin_key: str
-    client: httpx.AsyncClient | None = None
-
-    # slime's names for the same settings, for plugins written against slime
-    @property
-    def n_samples_per_prompt(self) -> int:
-        return self.config.n_samples_per_prompt
-
-    @property
-    def rollout_max_response_len(self) -> int:
-        return self.config.max_new_tokens
-
-    @property
-    def rollout_temperature(self) -> float:
-        return self.config.temperature
-
-    @property
-    def rollout_top_p(self) -> float:
-        return self.config.top_p
-
-    @property
-    def rollout_top_k(self) -> int:
-        return self.config.top_k
+    def slime_args(self) -> dict[str, Any]:
+        """These settings by slime's argument names (``learner.slime_args``)."""
+        return {
+            "n_samples_per_prompt": self.n_samples_per_prompt,
+            "rollout_max_response_len": self.max_new_tokens,
+            "rollout_temperature": self.temperature,
+            "rollout_top_p": self.top_p,
+            "rollout_top_k": self.top_k,
+            "rollout_seed": 42 if self.seed is None else self.seed,
+            "sglang_server_concurrency": self.concurrency,
+            "custom_generate_function_path": self.custom_generate_path,
+            "rollout_function_path": self.rollout_path,
+        }
 
 
 def sampling_params(config: RolloutConfig) -> dict[str, Any]:
@@ -172,6 +161,7 @@ async def rollout_group(
     group_index: int,
     *,
     seed: int | None = None,
+    args: SlimeArgs | None = None,
 ) -> list[Sample]:
     """``config.n_samples_per_prompt`` fresh samples of ``prompt``'s prompt from the serving weights.
 
@@ -181,6 +171,7 @@ async def rollout_group(
         config: sampling, and the custom generate plugin if one is set.
         group_index: set on every returned sample.
         seed: the first sample's seed (sample i gets seed + i); None: unseeded.
+        args: what a custom generate plugin gets (default: ``config``'s settings by slime's names).
 
     Returns:
         The samples (status COMPLETED or TRUNCATED, metadata ``source`` "rollout"); an empty list
@@ -190,9 +181,12 @@ async def rollout_group(
         RolloutError: the gateway is unreachable, refused the request, or answered unreadably.
         PluginError: a custom generate plugin returned something other than samples.
     """
-    if config.custom_generate_path is not None:
-        plugin = load_plugin(config.custom_generate_path, HookKind.CUSTOM_GENERATE)
-        return await _plugin_group(plugin, client, prompt, config, group_index)
+    path = prompt.generate_function_path or config.custom_generate_path
+    if path is not None:
+        plugin = load_plugin(path, HookKind.CUSTOM_GENERATE)
+        plugin_args = args if args is not None else _default_args(config, str(client.base_url), _admin_key(client))
+        plugin_args.client = client
+        return await _plugin_group(plugin, plugin_args, prompt, config, group_index)
     body: dict[str, Any] = {
         "input_ids": list(prompt.prompt_token_ids),
         "n": config.n_samples_per_prompt,
@@ -226,6 +220,7 @@ def rollout_groups(
     *,
     rollout_id: int = 0,
     on_progress: Callable[[int, int], None] | None = None,
+    args: SlimeArgs | None = None,
 ) -> list[list[Sample]]:
     """Per prompt, in order, its group of fresh samples (call from sync code: it runs its own event loop).
 
@@ -237,14 +232,31 @@ def rollout_groups(
         config: sampling, concurrency and plugins.
         rollout_id: passed to a ROLLOUT plugin.
         on_progress: called with (groups done, groups in all) after each group.
+        args: what plugins get (default: ``config``'s settings by slime's names); its
+            ``rollout_batch_size`` is set to the number of prompts, and its router address to a
+            learner-side SGLang ``/generate`` while plugins run.
 
     Raises:
         RolloutError: see ``rollout_group``; the first failure cancels the other groups.
         PluginError: a plugin returned the wrong shape.
     """
-    if config.rollout_path is not None:
-        return _run_rollout_plugin(server_url, admin_key, prompts, config, rollout_id)
-    return asyncio.run(_rollout_all(server_url, admin_key, list(prompts), config, on_progress))
+    args = args if args is not None else _default_args(config, server_url, admin_key)
+    args.rollout_batch_size = args.over_sampling_batch_size = len(prompts)
+    plugins = config.rollout_path or config.custom_generate_path or any(p.generate_function_path for p in prompts)
+    if not plugins:
+        return asyncio.run(_rollout_all(server_url, admin_key, list(prompts), config, on_progress, args))
+    with sglang_router(server_url, admin_key, timeout=config.timeout) as (ip, port):
+        args.sglang_router_ip, args.sglang_router_port = ip, port
+        try:
+            if config.rollout_path is not None:
+                return _run_rollout_plugin(args, prompts, config, rollout_id)
+            return asyncio.run(_rollout_all(server_url, admin_key, list(prompts), config, on_progress, args))
+        finally:
+            args.sglang_router_ip = args.sglang_router_port = None
+
+
+def _default_args(config: RolloutConfig, server_url: str, admin_key: str) -> SlimeArgs:
+    return slime_args(config.slime_args(), server_url=server_url, admin_key=admin_key, client=None)
 
 
 async def _rollout_all(
@@ -253,6 +265,7 @@ async def _rollout_all(
     prompts: list[Sample],
     config: RolloutConfig,
     on_progress: Callable[[int, int], None] | None,
+    args: SlimeArgs,
 ) -> list[list[Sample]]:
     slots = asyncio.Semaphore(config.concurrency)
     done = 0
@@ -263,7 +276,7 @@ async def _rollout_all(
         async with slots:
             seed = None if config.seed is None else config.seed + index * n
             group_index = index if prompt.group_index is None else prompt.group_index
-            group = await rollout_group(client, prompt, config, group_index, seed=seed)
+            group = await rollout_group(client, prompt, config, group_index, seed=seed, args=args)
         done += 1
         if on_progress is not None:
             on_progress(done, len(prompts))
@@ -367,30 +380,72 @@ def _metadata(prompt: Sample, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _fresh(prompt: Sample, group_index: int, choice_index: int, temperature: float) -> Sample:
-    """The prompt alone, ready for a custom generate function to fill in a response at ``temperature``."""
+def _fresh(prompt: Sample, group_index: int, choice_index: int, temperature: float, args: SlimeArgs) -> Sample:
+    """The prompt alone, ready for a generate function to fill in a response at ``temperature``.
+
+    As in slime with ``--apply-chat-template``, ``prompt`` is the rendered prompt text (decoded from
+    the prompt's token ids with ``args.hf_checkpoint``'s tokenizer) and ``tokens`` its ids; the chat
+    messages are in ``metadata["messages"]``.
+    """
+    text = _prompt_text(args.hf_checkpoint, tuple(prompt.prompt_token_ids)) if args.hf_checkpoint else None
     return Sample(
         prompt_token_ids=list(prompt.prompt_token_ids),
         rollout_temperature=scored_temperature(temperature),
         group_index=group_index,
-        prompt=prompt.prompt,
+        index=group_index * args.n_samples_per_prompt + choice_index,
+        prompt=prompt.prompt if text is None else text,
         label=prompt.label,
         user_id=prompt.user_id,
         session_id=prompt.session_id,
-        metadata=_metadata(prompt, choice_index=choice_index),
+        metadata=_metadata(prompt, choice_index=choice_index, messages=prompt.prompt),
     )
 
 
+@functools.cache
+def _tokenizer(checkpoint: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _prompt_text(checkpoint: str, ids: tuple[int, ...]) -> str:
+    return str(_tokenizer(checkpoint).decode(list(ids)))
+
+
+class PromptSource(list[Sample]):
+    """A ROLLOUT plugin's ``data_source``: the round's prompt samples as a list (tandem's contract),
+    with slime's ``RolloutDataSource`` methods. ``get_samples(n)`` hands out the next ``n`` prompts
+    as groups of ``n_samples_per_prompt`` fresh samples (groups given back first); ``add_samples``
+    takes groups back, as slime returns a rollout's aborted groups."""
+
+    def __init__(self, prompts: Sequence[Sample], args: SlimeArgs, temperature: float) -> None:
+        super().__init__(prompts)
+        self._args = args
+        self._temperature = temperature
+        self._handed_out = 0
+        self._returned: list[list[Sample]] = []
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups = self._returned[:num_samples]
+        del self._returned[: len(groups)]
+        while len(groups) < num_samples and self._handed_out < len(self):
+            prompt = self[self._handed_out]
+            group_index = self._handed_out if prompt.group_index is None else prompt.group_index
+            n = self._args.n_samples_per_prompt
+            groups.append([_fresh(prompt, group_index, i, self._temperature, self._args) for i in range(n)])
+            self._handed_out += 1
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        self._returned.extend(groups)
+
+
 async def _plugin_group(
-    plugin: Plugin, client: httpx.AsyncClient, prompt: Sample, config: RolloutConfig, group_index: int
+    plugin: Plugin, args: SlimeArgs, prompt: Sample, config: RolloutConfig, group_index: int
 ) -> list[Sample]:
-    args = RolloutArgs(config, str(client.base_url), _admin_key(client), client)
     params = sampling_params(config)
     samples: list[Sample] = []
     for choice_index in range(config.n_samples_per_prompt):
-        result = await plugin.call(
-            args, _fresh(prompt, group_index, choice_index, config.temperature), dict(params), evaluation=False
-        )
+        fresh = _fresh(prompt, group_index, choice_index, config.temperature, args)
+        result = await plugin.call(args, fresh, dict(params), evaluation=False)
         produced = result if isinstance(result, list) else [result]
         if not produced or not all(isinstance(s, Sample) for s in produced):
             raise plugin.error(f"returned {type(result).__name__}, not a Sample or a non-empty list of them")
@@ -407,11 +462,11 @@ def _admin_key(client: httpx.AsyncClient) -> str:
 
 
 def _run_rollout_plugin(
-    server_url: str, admin_key: str, prompts: Sequence[Sample], config: RolloutConfig, rollout_id: int
+    args: SlimeArgs, prompts: Sequence[Sample], config: RolloutConfig, rollout_id: int
 ) -> list[list[Sample]]:
     plugin = load_plugin(config.rollout_path or "", HookKind.ROLLOUT)
-    args = RolloutArgs(config, server_url, admin_key)
-    result = plugin.call(args, rollout_id, list(prompts), evaluation=False)
+    args.client = None
+    result = plugin.call(args, rollout_id, PromptSource(prompts, args, config.temperature), evaluation=False)
     if inspect.isawaitable(result):
         result = asyncio.run(_awaited(result))
     groups = getattr(result, "samples", result)

@@ -154,7 +154,7 @@ class _Round:
         self.metrics |= weights.metrics()
         # The policy loss and its gradient are zero (a removed sample trains nothing whatever its
         # advantage) and no correction is to be learnt: training would only copy the weights.
-        if not corrections and not any(a for s, a in zip(self.samples, advantages, strict=True) if not s.remove):
+        if not corrections and not any(a for s, a in zip(self.samples, advantages, strict=True) if not s.remove_sample):
             return self.nothing_to_learn(
                 f"every advantage is zero ({len(advantages)} samples): no answer was rated better or worse "
                 "than its baseline",
@@ -202,7 +202,7 @@ class _Round:
             watermark_to=self.watermark,
             metrics=self.metrics,
             samples_collected=collected,
-            samples_trained=sum(not s.remove for s in self.samples),
+            samples_trained=sum(not s.remove_sample for s in self.samples),
             produced_version_id=version_id,
         )
         self.write_metrics()

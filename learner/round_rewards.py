@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,6 +25,7 @@ from learner.reward_model import RewardModelError, fit_reward_model
 from learner.rewards import feedback_reward, score_samples
 from learner.round_config import RoundConfig
 from learner.sample import Sample
+from learner.slime_args import SlimeArgs, slime_args
 from storage import collect_feedback, rating_history
 
 
@@ -40,6 +40,11 @@ class RoundRewards:
     watermark: int | None
     base_dir: Path  # the serving checkpoint, which the reward model reads
     metrics: dict[str, Any]
+    # One namespace for all of the round's plugins: what a generate function sets, its reward sees.
+    args: SlimeArgs = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", self._slime_args())
 
     def feedback_advantages(self, samples: list[Sample]) -> list[float]:
         """Rewards from the ratings; advantage = reward minus the group mean or the user's baseline."""
@@ -74,7 +79,7 @@ class RoundRewards:
                 return
             kinds = (HookKind.REWARD, HookKind.BATCHED_REWARD)
             plugin = next(p for kind, p in config.plugins().items() if kind in kinds)
-            asyncio.run(score_samples(plugin, self.plugin_args(), fresh))
+            asyncio.run(score_samples(plugin, self.args, fresh))
 
         return score
 
@@ -99,17 +104,36 @@ class RoundRewards:
             server_url=config.server_url,
             admin_key=config.admin_key,
             score=score,
-            args=self.plugin_args(),
+            args=self.args,
             rollout_id=rollout_id,
         )
         self.metrics.update(batch.metrics)
         return batch
 
-    def plugin_args(self) -> SimpleNamespace:
-        """slime's ``args`` for plugins: the round's settings by name."""
+    def _slime_args(self) -> SlimeArgs:
+        """slime's ``args`` for plugins (``learner.slime_args``): the round's settings by slime's names,
+        tandem's under their own (``model``, ``round_id``, ``server_url``, ``admin_key``)."""
         config = self.config
-        return SimpleNamespace(
-            **config.summary(), model=self.model, round_id=self.round_id, server_url=config.server_url, reward_key=None
+        train = config.train_config
+        return slime_args(
+            config.summary(),
+            train.slime_args(),
+            config.rollout.slime_args(),
+            model=self.model,
+            round_id=self.round_id,
+            server_url=config.server_url,
+            admin_key=config.admin_key,
+            client=None,
+            hf_checkpoint=str(self.base_dir),
+            lr=config.learning_rate,
+            num_steps_per_rollout=config.num_steps,
+            reward_key=train.reward_key,
+            eval_reward_key=train.reward_key,
+            group_rm=config.reward_batched,
+            custom_rm_path=config.reward_path,
+            dynamic_sampling_filter_path=config.dynamic_filter_path,
+            custom_reward_post_process_path=config.reward_post_process_path,
+            buffer_filter_path=config.buffer_filter_path,
         )
 
     def _reward_model_scorer(self) -> Scorer | None:

@@ -33,7 +33,7 @@ LEARNER_SALT = cache_salt("\x00learner")
 
 
 class RolloutRequest(BaseModel):
-    """One prompt, as token ids or chat messages, and how to sample ``n`` responses to it."""
+    """One prompt, as token ids, chat messages or raw text, and how to sample ``n`` responses to it."""
 
     # An admin API: a misspelt field (max_new_tokens) is an error, not silently ignored.
     model_config = ConfigDict(extra="forbid")
@@ -42,6 +42,9 @@ class RolloutRequest(BaseModel):
         None, min_length=1, description="the prompt's token ids, as the learner has them"
     )
     messages: list[Message] | None = Field(None, min_length=1, description="or chat messages, rendered like /v1")
+    text: str | None = Field(
+        None, min_length=1, description="or raw text, tokenized as SGLang's /generate does (no chat template)"
+    )
     n: int = Field(1, ge=1, le=MAX_ROLLOUT_N)
     max_tokens: int | None = Field(None, ge=1, description="default: what the context has left")
     temperature: float = Field(1.0, ge=0, le=2)
@@ -53,8 +56,8 @@ class RolloutRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
-        if (self.input_ids is None) == (self.messages is None):
-            raise ValueError("give exactly one of input_ids and messages")
+        if sum(form is not None for form in (self.input_ids, self.messages, self.text)) != 1:
+            raise ValueError("give exactly one of input_ids, messages and text")
         return self
 
     @property
@@ -124,7 +127,9 @@ class RolloutService:
         if request.messages is not None:
             _, ids = await self._renderer.render_conversation([template_message(m) for m in request.messages])
             return ids
-        ids = request.input_ids or []
+        ids = request.input_ids or [] if request.text is None else self._tokenizer.encode(request.text)
+        if not ids:
+            raise ApiError(400, "the text encodes to no tokens", param="text")
         if min(ids) < 0 or max(ids) >= self._vocab:
             raise ApiError(400, f"input_ids must be token ids in [0, {self._vocab})", param="input_ids")
         if len(ids) >= self._renderer.context_length:

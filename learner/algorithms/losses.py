@@ -239,15 +239,19 @@ def sample_mean(
     num_samples: int | None = None,
     *,
     cu_seqlens: Tensor | None = None,
+    denominators: Tensor | None = None,
 ) -> Tensor:
     """``sum_i (sum_t x[i, t] m[i, t] / max(sum_t m[i, t], 1)) / num_samples`` (``num_samples`` defaults to B).
 
     Every sample weighs the same whatever its length. Samples are the rows of ``[B, T]`` tensors, or
     the segments ``cu_seqlens`` marks in one packed ``[T]`` row. Pass the step's total sample count as
     ``num_samples`` when a step is split into micro-batches: their results then add up to the whole
-    step's value. A fully masked sample adds 0 and still counts in B, as in slime.
+    step's value. A fully masked sample adds 0 and still counts in B, as in slime. ``denominators``
+    ``[B]`` replace the per-sample mask sums: slime's ``rollout_mask_sums``, where samples of one
+    rollout (a shared ``rollout_id``) share their rollout's token count, so they add up to one mean.
     """
     sums, counts = _per_sample_sums(values, loss_mask, cu_seqlens)
+    counts = counts if denominators is None else denominators.to(sums.dtype)
     return (sums / counts.clamp_min(1)).sum() / max(sums.shape[0] if num_samples is None else num_samples, 1)
 
 
@@ -271,10 +275,12 @@ def reduce_masked(
     num_samples: int | None = None,
     num_tokens: int | None = None,
     cu_seqlens: Tensor | None = None,
+    denominators: Tensor | None = None,
 ) -> Tensor:
-    """``sample_mean`` (the default, as slime's) or ``token_mean`` of ``values`` under ``loss_mask``."""
+    """``sample_mean`` (the default, as slime's; ``denominators`` go to it) or ``token_mean`` of
+    ``values`` under ``loss_mask``."""
     if reduction == "sample_mean":
-        return sample_mean(values, loss_mask, num_samples, cu_seqlens=cu_seqlens)
+        return sample_mean(values, loss_mask, num_samples, cu_seqlens=cu_seqlens, denominators=denominators)
     if reduction == "token_mean":
         return token_mean(values, loss_mask, num_tokens)
     raise ValueError(f"unknown reduction {reduction!r}; expected one of {get_args(Reduction)}")
@@ -364,6 +370,7 @@ def policy_loss_function(
     surrogate: Surrogate = "ppo",
     supervised: Tensor | None = None,
     tis_function: TISFunction | None = None,
+    denominators: Tensor | None = None,
 ) -> LossResult:
     """``loss = R(pg * w) + sft_coef * R(-logp on supervised tokens) + kl_loss_coef * R(KL(logp, logp_ref))
     - entropy_coef * R(H)``.
@@ -391,7 +398,13 @@ def policy_loss_function(
 
     def reduce(values: Tensor, mask: Tensor = loss_mask) -> Tensor:
         return reduce_masked(
-            values, mask, config.reduction, num_samples=num_samples, num_tokens=num_tokens, cu_seqlens=cu_seqlens
+            values,
+            mask,
+            config.reduction,
+            num_samples=num_samples,
+            num_tokens=num_tokens,
+            cu_seqlens=cu_seqlens,
+            denominators=denominators,
         )
 
     pg_mask = loss_mask if supervised is None else loss_mask * (1 - supervised.to(loss_mask.dtype))

@@ -11,10 +11,10 @@ add up to the step's and gradients accumulate to the one big batch's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from types import SimpleNamespace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,18 +33,20 @@ from learner.algorithms import (
 from learner.batching import PackedMicroBatch, trained_token_counts
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
+from learner.slime_args import slime_args
 from learner.to_device import to_device
+from learner.trainers.custom_loss import call_custom_loss, response_spans, slime_loss_batch
 from learner.trainers.train_config import TrainConfig
 
 __all__ = [
     "StepInputs",
     "StepTotals",
     "all_finite",
-    "call_custom_loss",
     "compute_advantages",
     "entropy_in_loss",
     "micro_batch_loss",
     "prepare_step",
+    "rollout_mask_sums",
     "shifted",
     "slime_tis",
     "step_metrics",
@@ -143,6 +145,10 @@ class StepInputs:
     # Some sample of the step is supervised: every micro-batch then reports sft_loss (data-parallel
     # replicas sum the same named values, so a name must not depend on a micro-batch's samples).
     supervised: bool = False
+    # slime's rollout_mask_sums [N]: each sample's loss denominator, its rollout's trained tokens
+    # (samples sharing a rollout_id share them; a sample without one is a rollout of its own).
+    rollout_mask_sums: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
+    shared_rollouts: bool = False  # some rollout_id is shared: the reductions take rollout_mask_sums
 
 
 def prepare_step(
@@ -183,7 +189,21 @@ def prepare_step(
         custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
         tis_plugin=load_plugin(config.custom_tis_path, HookKind.CUSTOM_TIS) if config.custom_tis_path else None,
         supervised=any(s.supervised for s in samples),
+        rollout_mask_sums=rollout_mask_sums(samples),
+        shared_rollouts=len({s.rollout_id for s in samples if s.rollout_id is not None})
+        < sum(s.rollout_id is not None for s in samples),
     )
+
+
+def rollout_mask_sums(samples: Sequence[Sample]) -> Tensor:
+    """``[N]`` slime's ``rollout_mask_sums``: the trained tokens of each sample's rollout (the samples
+    sharing its ``rollout_id``; a sample without one is a rollout of its own)."""
+    counts = trained_token_counts(samples)
+    keys = [("id", s.rollout_id) if s.rollout_id is not None else ("own", i) for i, s in enumerate(samples)]
+    totals: dict[tuple[str, int], float] = {}
+    for key, count in zip(keys, counts.tolist(), strict=True):
+        totals[key] = totals.get(key, 0.0) + count
+    return torch.tensor([totals[key] for key in keys], dtype=torch.float32)
 
 
 def _behaviour(sample: Sample) -> list[float]:
@@ -208,36 +228,6 @@ def _packed_response_values(
         sample = samples[index]
         parts += [torch.zeros(sample.prompt_length), torch.as_tensor(values[index], dtype=torch.float32)]
     return to_device(torch.cat(parts), device)
-
-
-def call_custom_loss(
-    plugin: Plugin,
-    config: TrainConfig,
-    batch: dict[str, Tensor | None],
-    logits: Tensor,
-    sum_of_sample_mean: Callable[[Tensor], Tensor],
-) -> tuple[Tensor, dict[str, float]]:
-    """A CUSTOM_LOSS plugin's ``(loss, metrics)`` for one packed micro-batch, checked.
-
-    slime's contract ``(args, batch, logits, sum_of_sample_mean)``; here ``args`` is the ``TrainConfig``,
-    ``batch`` holds the packed row's per-token tensors (``input_ids``, ``position_ids``, ``cu_seqlens``,
-    ``loss_mask``, ``log_probs`` with gradient, ``old_log_probs``, ``advantages``, and
-    ``rollout_log_probs`` / ``ref_log_probs`` or None, and ``supervised``: 1 on the tokens of supervised
-    samples, such as corrected answers, which the built-in loss trains by likelihood and a custom loss
-    must handle itself), ``logits`` is ``[T, V]``, and
-    ``sum_of_sample_mean`` reduces per-token values exactly as the built-in loss does over the whole
-    step (so micro-batch losses add up to the step's).
-
-    Raises:
-        PluginError: the result is not a scalar tensor and a dict of numbers.
-    """
-    result = plugin.call(config, batch, logits, sum_of_sample_mean)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise plugin.error(f"returned {type(result).__name__}, not (loss, metrics)")
-    loss, metrics = result
-    if not isinstance(loss, Tensor) or loss.dim() != 0 or not isinstance(metrics, dict):
-        raise plugin.error("returned a loss that is not a scalar tensor, or metrics that are not a dict")
-    return loss, {name: float(value) for name, value in metrics.items()}
 
 
 def micro_batch_loss(
@@ -280,33 +270,41 @@ def micro_batch_loss(
     supervised = None
     if inputs.supervised:
         supervised = torch.zeros_like(loss_mask) if batch.supervised is None else to_device(batch.supervised, device)
+    denominators = inputs.rollout_mask_sums[list(batch.sample_indices)] if inputs.shared_rollouts else None
     if inputs.custom is not None:
         if logits is None:
             raise ValueError("a CUSTOM_LOSS plugin is handed the [T, V] logits; none were given")
-        tensors = {
+        packed = {
             "input_ids": to_device(batch.input_ids, device),
-            "position_ids": to_device(batch.position_ids, device),
-            "cu_seqlens": to_device(cu_seqlens, device),
             "loss_mask": loss_mask,
-            "log_probs": log_probs,
-            "old_log_probs": log_probs.detach() if old is None else old,
             "advantages": token_advantages,
-            "rollout_log_probs": rollout,
+            "old_log_probs": log_probs.detach() if old is None else old,
             "ref_log_probs": ref_log_probs,
+            "rollout_log_probs": rollout,
             "supervised": torch.zeros_like(loss_mask) if supervised is None else supervised,
         }
+        at = torch.cat([torch.arange(start, end) for start, end in response_spans(samples, batch)]).to(device)
 
-        def sum_of_sample_mean(values: Tensor) -> Tensor:
+        def sum_of_sample_mean(values: Tensor) -> Tensor:  # slime's: values over the responses, end to end
+            row = torch.zeros(loss_mask.shape, dtype=values.dtype, device=device).index_put((at,), values)
             return reduce_masked(
-                values,
+                row,
                 loss_mask,
                 loss_config.reduction,
                 num_samples=len(samples),
                 num_tokens=inputs.num_tokens,
                 cu_seqlens=cu_seqlens,
+                denominators=denominators,
             )
 
-        return call_custom_loss(inputs.custom, config, tensors, logits, sum_of_sample_mean)
+        chosen = [samples[i] for i in batch.sample_indices]
+        args = slime_args(
+            config.slime_args(),
+            rollout_temperature=chosen[0].rollout_temperature,  # slime's one temperature ...
+            sample_temperatures=[s.rollout_temperature for s in chosen],  # ... tandem's, one per sample
+        )
+        loss_batch = slime_loss_batch(samples, batch, packed, inputs.rollout_mask_sums)
+        return call_custom_loss(inputs.custom, args, loss_batch, logits.unsqueeze(0), sum_of_sample_mean)
     result = policy_loss_function(
         loss_config,
         log_probs,
@@ -322,6 +320,7 @@ def micro_batch_loss(
         surrogate=config.surrogate,
         supervised=supervised,
         tis_function=None if inputs.tis_plugin is None else slime_tis(inputs.tis_plugin, config, samples, batch),
+        denominators=denominators,
     )
     return result.loss, result.parts()
 
@@ -338,12 +337,10 @@ def slime_tis(plugin: Plugin, config: TrainConfig, samples: Sequence[Sample], ba
     Raises:
         PluginError: a result that is not that triple of matching shapes.
     """
-    cu = batch.cu_seqlens.tolist()
-    indices = list(batch.sample_indices)
-    spans = [(cu[k] + samples[i].prompt_length, cu[k + 1]) for k, i in enumerate(indices)]
+    spans = response_spans(samples, batch)
     lengths = [end - start for start, end in spans]
-    totals = [samples[i].total_length for i in indices]
-    args = SimpleNamespace(**{f.name: getattr(config, f.name) for f in fields(config)}, **asdict(config.loss))
+    totals = [samples[i].total_length for i in batch.sample_indices]
+    args = slime_args(config.slime_args())
 
     def tis(pg: Tensor, old: Tensor, rollout: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         at = torch.cat([torch.arange(start, end) for start, end in spans]).to(pg.device)
@@ -407,7 +404,7 @@ def step_metrics(
     """A step's reported metrics: the summed loss parts, the gradient norm, throughput and the lengths of
     the policy's own answers (not corrections or removed samples: later rounds' drift check reads them)."""
     tokens = sum(s.total_length for s in samples)
-    lengths = [s.response_length for s in samples if not (s.supervised or s.remove)] or [0]
+    lengths = [s.response_length for s in samples if not (s.supervised or s.remove_sample)] or [0]
     return {
         **totals,
         "grad_norm": grad_norm,

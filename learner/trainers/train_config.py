@@ -55,6 +55,23 @@ class TrainConfig:
         estimator = self.advantage_estimator
         return "gspo" if estimator == "gspo" else "cispo" if estimator == "cispo" else "ppo"
 
+    def slime_args(self) -> dict[str, Any]:
+        """These settings by their own names and by slime's argument names (``learner.slime_args``)."""
+        loss = self.loss
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("loss", "megatron")}
+        return {
+            **own,
+            **dataclasses.asdict(loss),
+            "eps_clip_high": loss.eps_clip if loss.eps_clip_high is None else loss.eps_clip_high,
+            "use_kl_loss": loss.kl_loss_coef != 0,
+            "calculate_per_token_loss": loss.reduction == "token_mean",
+            "disable_grpo_std_normalization": not self.grpo_std_normalization,
+            "loss_type": "policy_loss" if self.custom_loss_path is None else "custom_loss",
+            "custom_loss_function_path": self.custom_loss_path,
+            "custom_tis_function_path": self.custom_tis_path,
+            "max_tokens_per_gpu": self.max_tokens_per_micro_batch,
+        }
+
     def __post_init__(self) -> None:
         if isinstance(self.megatron, Mapping):  # from JSON (``TrainingRequest.from_json``)
             object.__setattr__(self, "megatron", MegatronConfig.from_dict(self.megatron))

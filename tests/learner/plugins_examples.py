@@ -120,12 +120,16 @@ async def filter_async(args: Any, samples: list[Sample]) -> bool:  # invalid: th
 # buffer filter: (args, samples) -> list[Sample]
 
 
-def buffer_keep_rated(args: Any, samples: list[Sample]) -> list[Sample]:
-    return [s for s in samples if s.metadata.get("source") != "corrected_answer"]
+def buffer_keep_rated(
+    args: Any, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int
+) -> list[list[Sample]]:
+    return [[s for s in group if s.metadata.get("source") != "corrected_answer"] for group in buffer[:num_samples]]
 
 
-def buffer_invents(args: Any, samples: list[Sample]) -> list[Sample]:  # invalid at runtime
-    return [Sample(prompt_token_ids=[1], response_token_ids=[2])]
+def buffer_invents(
+    args: Any, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int
+) -> list[list[Sample]]:  # invalid at runtime
+    return [[Sample(prompt_token_ids=[1], response_token_ids=[2])]]
 
 
 # custom generate: async (args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]
@@ -182,15 +186,26 @@ def custom_loss_three_params(args: Any, batch: Any, logits: Any) -> tuple[Any, d
 def loss_vanilla_policy_gradient(
     args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any
 ) -> tuple[Any, dict[str, float]]:
-    """-A * log p, which on-policy has the built-in clipped loss's gradient."""
-    loss = sum_of_sample_mean(-batch["advantages"] * batch["log_probs"])
+    """-A * log p, which on-policy has the built-in clipped loss's gradient; written as slime's losses
+    are (its log-prob helper, per-sample lists, sum_of_sample_mean over the responses)."""
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+
+    _, scores = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+    )
+    log_probs = torch.cat(scores["log_probs"])
+    loss = sum_of_sample_mean(-torch.cat(batch["advantages"]) * log_probs)
     return loss, {"custom_loss": float(loss.detach())}
 
 
 def loss_not_a_tuple(
     args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any
 ) -> Any:  # invalid at runtime
-    return sum_of_sample_mean(batch["log_probs"])
+    return sum_of_sample_mean(torch.cat(batch["log_probs"]))
 
 
 # CUSTOM_TIS: slime's contract, written as slime's vanilla_tis_function and icepop_function are.

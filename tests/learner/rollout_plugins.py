@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from learner.rollout import RolloutArgs
 from learner.sample import Sample
+from learner.slime_args import SlimeArgs
 
 
-async def greedy_through_the_gateway(args: RolloutArgs, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+async def greedy_through_the_gateway(args: SlimeArgs, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """One greedy sample per call, through the client the rollout hands over."""
     assert args.client is not None
     body = {
@@ -25,18 +25,18 @@ async def greedy_through_the_gateway(args: RolloutArgs, sample: Sample, sampling
     return sample
 
 
-async def two_canned(args: RolloutArgs, sample: Sample, sampling_params: dict[str, Any]) -> list[Sample]:
+async def two_canned(args: SlimeArgs, sample: Sample, sampling_params: dict[str, Any]) -> list[Sample]:
     return [
         Sample(prompt_token_ids=sample.prompt_token_ids, response_token_ids=[7], status=Sample.Status.COMPLETED),
         Sample(prompt_token_ids=sample.prompt_token_ids, response_token_ids=[8, 9], status=Sample.Status.TRUNCATED),
     ]
 
 
-async def not_a_sample(args: RolloutArgs, sample: Sample, sampling_params: dict[str, Any]) -> str:
+async def not_a_sample(args: SlimeArgs, sample: Sample, sampling_params: dict[str, Any]) -> str:
     return "oops"
 
 
 def echo_rollout(
-    args: RolloutArgs, rollout_id: int, data_source: list[Sample], evaluation: bool = False
+    args: SlimeArgs, rollout_id: int, data_source: list[Sample], evaluation: bool = False
 ) -> list[list[Sample]]:
     return [[Sample(prompt_token_ids=p.prompt_token_ids, response_token_ids=[rollout_id])] for p in data_source]

@@ -158,16 +158,36 @@ def test_zero_std_metrics() -> None:
     assert FilterResult().metrics() == {}
 
 
-def test_buffer_filter_selects_from_the_given_samples() -> None:
+def test_buffer_filter_selects_from_the_given_groups() -> None:
     samples = rewarded(1.0, 0.0)
     samples[1].metadata["source"] = "corrected_answer"
     plugin = load_plugin(f"{EXAMPLES}:buffer_keep_rated", HookKind.BUFFER_FILTER)
-    assert call_buffer_filter(plugin, Args(), samples) == [samples[0]]
-    as_tuple = Plugin(HookKind.BUFFER_FILTER, "x:y", lambda args, s: tuple(s), False, frozenset())
-    with pytest.raises(PluginError, match="returned a tuple, not a list"):
-        call_buffer_filter(as_tuple, Args(), samples)
+    assert call_buffer_filter(plugin, Args(), 3, [samples]) == [[samples[0]]]
+
+
+def test_a_slime_pop_first_buffer_filter_runs_unchanged() -> None:
+    def pop_first(args: object, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int) -> list:
+        num_to_pop = min(len(buffer), num_samples)
+        samples = buffer[:num_to_pop]
+        del buffer[:num_to_pop]
+        return samples
+
+    groups = [rewarded(1.0, 0.0), rewarded(0.5, 0.5)]
+    plugin = Plugin(HookKind.BUFFER_FILTER, "x:pop_first", pop_first, False, frozenset())
+    assert call_buffer_filter(plugin, Args(), 0, groups) == groups and len(groups) == 2  # the caller's list kept
+
+
+def test_buffer_filters_that_break_the_contract_are_refused() -> None:
+    samples = rewarded(1.0, 0.0)
+    as_tuple = Plugin(HookKind.BUFFER_FILTER, "x:y", lambda args, r, b, n: tuple(b), False, frozenset())
+    with pytest.raises(PluginError, match="returned a tuple, not a list of groups"):
+        call_buffer_filter(as_tuple, Args(), 0, [samples])
+    flat = Plugin(HookKind.BUFFER_FILTER, "x:y", lambda args, r, b, n: b[0], False, frozenset())
+    with pytest.raises(PluginError, match="not a list of groups"):
+        call_buffer_filter(flat, Args(), 0, [samples])
     with pytest.raises(PluginError, match="is not a buffer filter"):
-        call_buffer_filter(load_plugin(f"{EXAMPLES}:filter_legacy_bool", HookKind.DYNAMIC_FILTER), Args(), samples)
+        dynamic = load_plugin(f"{EXAMPLES}:filter_legacy_bool", HookKind.DYNAMIC_FILTER)
+        call_buffer_filter(dynamic, Args(), 0, [samples])
 
 
 # exclusion and loss masks
@@ -175,7 +195,7 @@ def test_buffer_filter_selects_from_the_given_samples() -> None:
 
 def test_removed_samples_leave_the_batch_and_lose_their_mask() -> None:
     samples = rewarded(1.0, 0.0, 0.5)
-    samples[1].remove = True
+    samples[1].remove_sample = True
     kept, removed = split_removed(samples)
     assert kept == [samples[0], samples[2]] and removed == [samples[1]]
     assert training_loss_mask(samples[1]) == [0]
@@ -256,7 +276,7 @@ def samples_for_packing() -> list[Sample]:
         mask = torch.randint(0, 2, (r,), generator=gen).tolist()
         mask[0] = 1
         out.append(Sample(prompt_token_ids=ids[:p], response_token_ids=ids[p:], loss_mask=mask, index=i))
-    out[3].remove = True
+    out[3].remove_sample = True
     return out
 
 
@@ -273,13 +293,16 @@ def test_collate_lays_samples_end_to_end() -> None:
 def test_collate_refuses_changed_or_promptless_samples() -> None:
     samples = samples_for_packing()
     [batch] = pack_samples(samples[:1], 100)
-    samples[0].response_token_ids.append(5)
+    samples[0].response_token_ids = [*samples[0].response_token_ids, 5]
     samples[0].loss_mask = None
     with pytest.raises(PackingError, match="sample 0 has 8 tokens, packed as 7"):
         collate_micro_batch(samples, batch)
     promptless = [Sample(response_token_ids=[4, 5])]
     with pytest.raises(PackingError, match="no prompt token"):
         collate_micro_batch(promptless, pack_samples(promptless, 10)[0])
+    images = [Sample(tokens=[1, 2, 3], response_length=1, multimodal_train_inputs={"pixel_values": []})]
+    with pytest.raises(PackingError, match="multimodal_train_inputs: tandem trains text-only models"):
+        collate_micro_batch(images, pack_samples(images, 10)[0])
 
 
 def test_packed_masked_mean_equals_the_unpacked_per_sample_means() -> None:

@@ -78,7 +78,7 @@ def test_no_refill_drops_the_flat_group_and_removed_samples_stay_untrained(verdi
 
     def score_and_remove(fresh: list[Sample]) -> None:
         score(fresh)
-        fresh[-1].remove = True  # group 1's last rollout, reward 1.0
+        fresh[-1].remove_sample = True  # group 1's last rollout, reward 1.0
         if verdict == "unreadable":
             fresh[-1].reward = None
 
@@ -94,7 +94,7 @@ def test_no_refill_drops_the_flat_group_and_removed_samples_stay_untrained(verdi
     assert batch.metrics["groups_kept"] == 1 and batch.metrics["removed_samples"] == 1
     assert batch.metrics["rollout/dynamic_filter/drop_zero_std_0.3"] == 1
     assert {s.group_index for s in batch.samples} == {1} and len(batch.samples) == 5  # rated + 4 rollouts
-    [removed] = [s for s in batch.samples if s.remove]
+    [removed] = [s for s in batch.samples if s.remove_sample]
     assert training_loss_mask(removed) == [0]  # in the batch, trained on nothing
     rewards = [-1.0, -1.0, -1 / 3, 1 / 3] + ([1.0] if verdict == "scored" else [])
     mean, std = statistics.fmean(rewards), statistics.stdev(rewards)

@@ -171,7 +171,7 @@ async def test_judges_samples_in_place_and_removes_unreadable_verdicts() -> None
     right, wrong = score_to_reward(9), score_to_reward(2)
     assert [v.reward for v in verdicts] == [right, wrong, right, None, wrong, None]
     assert [s.reward for s in samples] == [right, wrong, right, None, wrong]
-    assert [s.remove for s in [*samples, no_text]] == [False, False, False, True, False, True]
+    assert [s.remove_sample for s in [*samples, no_text]] == [False, False, False, True, False, True]
     assert samples[0].metadata["judge"] == {
         "score": 9.0,
         "reward": right,
@@ -188,7 +188,7 @@ async def test_judge_reward_is_a_slime_reward_plugin() -> None:
     samples = sums_samples()
     rewards = await score_samples(plugin, args, samples, max_concurrency=3)
     assert rewards == [score_to_reward(9), score_to_reward(2), score_to_reward(9), UNSCORED, score_to_reward(2)]
-    assert [s.remove for s in samples] == [False, False, False, True, False]
+    assert [s.remove_sample for s in samples] == [False, False, False, True, False]
 
     @dataclass
     class SlimeArgs:  # slime's namespace carrying the judge's settings
@@ -210,7 +210,7 @@ def test_through_the_gateway_asks_the_serving_model_greedily(gateway: Gateway) -
     client = gateway.client(gateway.keys["acme"])
     for sample, verdict in zip(samples, verdicts, strict=True):
         assert verdict.text and verdict.error == "no score in the verdict"
-        assert sample.remove and sample.reward is None and sample.metadata["judge"]["verdict"] == verdict.text
+        assert sample.remove_sample and sample.reward is None and sample.metadata["judge"]["verdict"] == verdict.text
         messages = judge_messages(sample, config)
         reply = client.chat.completions.create(
             model=gateway.model,
@@ -227,7 +227,7 @@ def test_a_judge_that_cannot_be_asked_is_an_error_not_a_verdict(gateway: Gateway
         judge(gateway.url, "wrong-key", samples, JudgeConfig(max_tokens=4))
     with pytest.raises(JudgeError, match="cannot reach the judge"):
         judge("http://127.0.0.1:9", ADMIN_KEY, samples, JudgeConfig(max_tokens=4, timeout_s=5))
-    assert samples[0].reward is None and not samples[0].remove
+    assert samples[0].reward is None and not samples[0].remove_sample
 
 
 def test_the_default_rubric_asks_for_the_format_the_parser_reads() -> None:

@@ -76,8 +76,8 @@ async def invoke_dynamic_filter(plugin: Plugin) -> None:
 
 async def invoke_buffer_filter(plugin: Plugin) -> None:
     samples = group()
-    selected = call_buffer_filter(plugin, Args(), samples)
-    assert all(any(s is given for given in samples) for s in selected)
+    selected = call_buffer_filter(plugin, Args(), 0, [samples])
+    assert all(any(s is given for given in samples) for g in selected for s in g)
 
 
 async def invoke_generate(plugin: Plugin) -> None:

@@ -76,6 +76,13 @@ def test_messages_render_like_chat_completions(gateway: Gateway, prompt_ids: lis
     assert body["choices"][0]["text"] == chat.choices[0].message.content
 
 
+def test_text_is_tokenized_as_sglang_generate_does(gateway: Gateway, tiny_model: Path) -> None:
+    text = "The sea is"
+    response = rollout(gateway.url, {"text": text, "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt_ids"] == AutoTokenizer.from_pretrained(tiny_model).encode(text)
+
+
 def test_needs_the_admin_key(gateway: Gateway, prompt_ids: list[int]) -> None:
     body = {"input_ids": prompt_ids, "max_tokens": 2}
     missing = rollout(gateway.url, body, headers=None)
@@ -87,8 +94,8 @@ def test_needs_the_admin_key(gateway: Gateway, prompt_ids: list[int]) -> None:
 @pytest.mark.parametrize(
     ("body", "says"),
     [
-        ({"n": 2}, "exactly one of input_ids and messages"),
-        ({"input_ids": [1, 2], "messages": MESSAGES}, "exactly one of input_ids and messages"),
+        ({"n": 2}, "exactly one of input_ids, messages and text"),
+        ({"input_ids": [1, 2], "messages": MESSAGES}, "exactly one of input_ids, messages and text"),
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1], "n": 0}, "'n'"),
         ({"input_ids": [1], "n": 65}, "'n'"),

@@ -1,0 +1,1 @@
+"""slime's import paths for plugins, backed by tandem's learner (see ../README.md)."""

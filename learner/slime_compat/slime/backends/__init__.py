@@ -1,0 +1,1 @@
+"""slime.backends: the loss helpers a custom loss imports."""

@@ -1,0 +1,1 @@
+"""slime.backends.megatron_utils: the loss helpers a custom loss imports."""

@@ -1,0 +1,1 @@
+"""slime.rollout.filter_hub: the dynamic-sampling filter types and built-ins."""
