@@ -48,6 +48,7 @@ __all__ = [
     "PromptSource",
     "RolloutConfig",
     "RolloutError",
+    "eval_rollout",
     "gateway_client",
     "post_rollouts",
     "rollout_group",
@@ -253,6 +254,58 @@ def rollout_groups(
             return asyncio.run(_rollout_all(server_url, admin_key, list(prompts), config, on_progress, args))
         finally:
             args.sglang_router_ip = args.sglang_router_port = None
+
+
+def eval_rollout(
+    server_url: str,
+    admin_key: str,
+    prompts: Sequence[Sample],
+    config: RolloutConfig,
+    path: str,
+    *,
+    rollout_id: int,
+    args: SlimeArgs | None = None,
+) -> dict[str, float]:
+    """Run an EVAL_ROLLOUT plugin (slime's ``--eval-function-path``) against the serving weights and
+    give its metrics as slime logs them: ``eval/<dataset>`` (mean reward, by ``args.eval_reward_key``
+    for dict rewards), ``eval/<dataset>-truncated_ratio``, and the plugin's own metrics.
+
+    The plugin is called ``(args, rollout_id, data_source, evaluation=True)`` with the router up and
+    ``data_source`` the round's prompts (``PromptSource``); it returns ``RolloutFnEvalOutput`` or its
+    ``data`` dict, ``{dataset: {"rewards": [...], "truncated": [...], "samples": [...]}}``.
+
+    Raises:
+        PluginError: a result of another shape, or rewards that are not numbers.
+    """
+    plugin = load_plugin(path, HookKind.EVAL_ROLLOUT)
+    args = args if args is not None else _default_args(config, server_url, admin_key)
+    with sglang_router(server_url, admin_key, timeout=config.timeout) as (ip, port):
+        args.sglang_router_ip, args.sglang_router_port = ip, port
+        args.client = None
+        try:
+            result = plugin.call(args, rollout_id, PromptSource(prompts, args, config.temperature), evaluation=True)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+        finally:
+            args.sglang_router_ip = args.sglang_router_port = None
+    data = getattr(result, "data", result)
+    if not isinstance(data, dict) or not all(isinstance(d, dict) and "rewards" in d for d in data.values()):
+        raise plugin.error(f"returned {type(result).__name__}, not {{dataset: {{'rewards': [...], ...}}}}")
+    key = args.eval_reward_key or args.reward_key
+    metrics: dict[str, float] = {}
+    for name, dataset in data.items():
+        rewards = [r.get(key) if isinstance(r, dict) and key else r for r in dataset["rewards"]]
+        numbers = [float(r) for r in rewards if isinstance(r, int | float) and not isinstance(r, bool)]
+        if not rewards or len(numbers) != len(rewards):
+            raise plugin.error(
+                f"dataset {name!r}: rewards must be a non-empty list of numbers (eval_reward_key {key!r})"
+            )
+        metrics[f"eval/{name}"] = sum(numbers) / len(numbers)
+        truncated = dataset.get("truncated")
+        if truncated:
+            metrics[f"eval/{name}-truncated_ratio"] = sum(map(bool, truncated)) / len(truncated)
+    extra = getattr(result, "metrics", None) or {}
+    return metrics | {str(k): float(v) for k, v in extra.items()}
 
 
 def _default_args(config: RolloutConfig, server_url: str, admin_key: str) -> SlimeArgs:

@@ -196,6 +196,9 @@ class _Round:
         if promote:
             with self.timer("swap"):
                 promotion.roll_out(checkpoint, version_id, self.config.canary_share)
+            if self.config.eval_rollout_path is not None:
+                with self.timer("eval_rollout"):
+                    self.metrics |= rewards.eval_rollout(self.samples, self.succeeded_rounds())
         self.metrics["seconds"] = self.timer.seconds
         self.finish(
             status="succeeded",

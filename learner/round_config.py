@@ -25,8 +25,9 @@ from learner.user_weights import UserWeighting
 __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "RoundResult", "default_train_config"]
 
 # In the order a round runs them; ``rollout`` only when the reward can score new text, ``evaluate``
-# only with the evaluation gate on, ``swap`` only for a candidate that passed it.
-STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "swap")
+# only with the evaluation gate on, ``swap`` only for a candidate that passed it, ``eval_rollout``
+# only with an eval rollout plugin, after a swap.
+STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "swap", "eval_rollout")
 
 RewardSource = Literal["feedback", "reward_model", "judge", "custom"]
 RoundMode = Literal["train", "rollout_only"]
@@ -69,7 +70,9 @@ class RoundConfig:
     trusted), ``judge`` asks the serving model with a rubric, ``custom`` calls the reward plugin at
     ``reward_path`` (slime's ``async (args, sample) -> float``, or batched ``(args, samples) -> list``
     with ``reward_batched``). Plugins by dotted path: ``dynamic_filter_path``,
-    ``reward_post_process_path``, ``buffer_filter_path`` (slime's hooks, checked at config time).
+    ``reward_post_process_path``, ``buffer_filter_path`` (slime's hooks, checked at config time), and
+    ``eval_rollout_path`` (slime's eval function: run against the new version once it serves, its
+    metrics recorded on the round as ``eval/<dataset>``).
 
     Evaluation (``evaluation``, ``docs/evaluation.md``): between export and swap, the candidate and
     the serving version are scored on an eval set; the candidate is rolled out only when it is not
@@ -104,6 +107,7 @@ class RoundConfig:
     dynamic_filter_path: str | None = None
     reward_post_process_path: str | None = None
     buffer_filter_path: str | None = None
+    eval_rollout_path: str | None = None  # slime's --eval-function-path: run on the new serving version
     # training
     train_config: TrainConfig = field(default_factory=default_train_config)
     learning_rate: float = 1e-6
@@ -157,6 +161,7 @@ class RoundConfig:
                 HookKind.DYNAMIC_FILTER: self.dynamic_filter_path,
                 HookKind.REWARD_POST_PROCESS: self.reward_post_process_path,
                 HookKind.BUFFER_FILTER: self.buffer_filter_path,
+                HookKind.EVAL_ROLLOUT: self.eval_rollout_path,
             }
         )
 

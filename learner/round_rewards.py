@@ -23,6 +23,7 @@ from learner.judge import judge
 from learner.plugins import HookKind
 from learner.reward_model import RewardModelError, fit_reward_model
 from learner.rewards import feedback_reward, score_samples
+from learner.rollout import eval_rollout
 from learner.round_config import RoundConfig
 from learner.sample import Sample
 from learner.slime_args import SlimeArgs, slime_args
@@ -109,6 +110,16 @@ class RoundRewards:
         )
         self.metrics.update(batch.metrics)
         return batch
+
+    def eval_rollout(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """The eval rollout plugin's metrics against what now serves (``learner.rollout.eval_rollout``);
+        its ``data_source`` is the round's prompts, one per group of ``samples``."""
+        config = self.config
+        prompts = list({s.group_index: s for s in samples if not s.supervised}.values())
+        path = config.eval_rollout_path or ""
+        return eval_rollout(
+            config.server_url, config.admin_key, prompts, config.rollout, path, rollout_id=rollout_id, args=self.args
+        )
 
     def _slime_args(self) -> SlimeArgs:
         """slime's ``args`` for plugins (``learner.slime_args``): the round's settings by slime's names,
