@@ -11,8 +11,9 @@
          rule): with a reward they count in their group's statistics and the filter, as in slime;
          without one (an unreadable judge verdict) their advantage is 0
       -> buffer filter hook (slime's, over the groups) -> the samples to train and one advantage each
-      -> with ``normalize_advantages``, and always for REINFORCE++-baseline (slime requires it there):
-         the advantages whitened over the batch's trained tokens, as the step loss does
+      -> with ``normalize_advantages``, and always for REINFORCE++ (slime requires it there): the
+         advantages whitened over the batch's trained tokens, as the step loss does (per-token
+         advantages, ``TrainConfig.token_level``, are whitened by the trainer once they are made)
 
 Group indices are the rated samples' (``learner.collect`` numbers prompts 0..G-1 in order).
 """
@@ -47,6 +48,7 @@ class GroupSettings:
     advantage_estimator: str = "grpo"
     std_normalization: bool = True
     normalize_advantages: bool = False  # slime's --normalize-advantages (always for REINFORCE++-baseline)
+    token_level: bool = False  # the trainer makes per-token advantages and whitens those instead
     refill_attempts: int = 1
     dynamic_filter: Plugin | None = None  # None: keep groups whose rewards vary
     reward_post_process: Plugin | None = None
@@ -125,7 +127,8 @@ def build_groups(
         kept = [s for group in selected for s in group]
     batch.samples = kept
     batch.advantages = [advantage_of[id(s)] for s in kept]
-    if settings.advantage_estimator == "reinforce_plus_plus_baseline" or settings.normalize_advantages:
+    whitened = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    if (settings.advantage_estimator in whitened or settings.normalize_advantages) and not settings.token_level:
         batch.advantages = whiten_advantages(torch.tensor(batch.advantages), kept).tolist()
     return batch
 

@@ -61,6 +61,7 @@ class HookKind(StrEnum):
     EVAL_ROLLOUT = "eval_rollout"
     CUSTOM_LOSS = "custom_loss"
     CUSTOM_TIS = "custom_tis"
+    CUSTOM_ADVANTAGE = "custom_advantage"
     EVAL = "eval"
 
 
@@ -166,6 +167,15 @@ _SPECS = (
         False,
         "--custom-tis-function-path",
         keywords=("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "total_lengths", "response_lengths"),
+    ),
+    # slime's rollout_data: per-sample lists (rewards, log_probs, ref_log_probs, kl, loss_masks, ...);
+    # the function sets rollout_data["advantages"] and ["returns"] (one tensor per sample) in place.
+    HookSpec(
+        HookKind.CUSTOM_ADVANTAGE,
+        ("args", "rollout_data"),
+        "None (sets rollout_data['advantages'] and ['returns'])",
+        False,
+        "--custom-advantage-function-path",
     ),
 )
 HOOKS: Mapping[HookKind, HookSpec] = MappingProxyType({spec.kind: spec for spec in _SPECS})

@@ -94,6 +94,7 @@ class RoundRewards:
             advantage_estimator=config.train_config.advantage_estimator,
             std_normalization=config.train_config.grpo_std_normalization,
             normalize_advantages=config.train_config.normalize_advantages,
+            token_level=config.train_config.token_level,
             refill_attempts=config.refill_attempts,
             dynamic_filter=plugins.get(HookKind.DYNAMIC_FILTER),
             reward_post_process=plugins.get(HookKind.REWARD_POST_PROCESS),

@@ -37,18 +37,26 @@ def megatron_config(settings: Settings) -> MegatronConfig:
 
 
 def train_config(settings: Settings) -> TrainConfig:
-    """The default training knobs with the learner settings' KL loss, custom loss, micro-batch cap and backend."""
+    """The default training knobs with the learner settings' KL loss, custom loss, micro-batch cap and
+    backend, and slime's algorithm settings."""
+    learner = settings.learner
     defaults = default_train_config()
-    loss = dataclasses.replace(
-        defaults.loss, kl_loss_coef=settings.learner.kl_coef, kl_loss_type=settings.learner.kl_type
-    )
+    loss = dataclasses.replace(defaults.loss, kl_loss_coef=learner.kl_coef, kl_loss_type=learner.kl_type)
     return dataclasses.replace(
         defaults,
         loss=loss,
-        custom_loss_path=settings.learner.custom_loss_path,
-        max_tokens_per_micro_batch=settings.learner.max_tokens_per_device,
-        backend=settings.learner.backend,
+        custom_loss_path=learner.custom_loss_path,
+        max_tokens_per_micro_batch=learner.max_tokens_per_device,
+        backend=learner.backend,
         megatron=megatron_config(settings),
+        advantage_estimator=learner.advantage_estimator,
+        normalize_advantages=learner.normalize_advantages,
+        reward_key=learner.reward_key,
+        kl_coef=learner.reward_kl_coef,
+        gamma=learner.gamma,
+        use_opd=learner.use_opd,
+        opd_kl_coef=learner.opd_kl_coef,
+        custom_advantage_path=learner.custom_advantage_path,
     )
 
 
@@ -113,10 +121,18 @@ def round_config(
         trigger=trigger,
         reward=settings.learner.reward,
         reward_path=settings.learner.reward_path,
+        reward_batched=settings.learner.reward_batched,
         baseline=settings.learner.baseline,
         rollout=RolloutConfig(
-            n_samples_per_prompt=settings.learner.samples_per_prompt, max_new_tokens=settings.learner.rollout_max_tokens
+            n_samples_per_prompt=settings.learner.samples_per_prompt,
+            max_new_tokens=settings.learner.rollout_max_tokens,
+            custom_generate_path=settings.learner.custom_generate_path,
+            rollout_path=settings.learner.rollout_path,
         ),
+        dynamic_filter_path=settings.learner.dynamic_filter_path,
+        buffer_filter_path=settings.learner.buffer_filter_path,
+        reward_post_process_path=settings.learner.reward_post_process_path,
+        eval_rollout_path=settings.learner.eval_rollout_path,
         metrics=RoundMetricsConfig.from_settings(settings),
         save_batch_dir=settings.learner.save_batch_dir,
         train_config=train_config(settings),

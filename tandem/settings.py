@@ -250,6 +250,26 @@ class LearnerSettings(_Group):
     min_shared_prompts: int = _learn("min_shared_prompts", 5, ge=1, description="before agreement is judged")
     disagreeing_weight: float = _learn("disagreeing_weight", 0.25, ge=0, le=1)
     custom_loss_path: str | None = _learn("custom_loss_path", None, description="a loss replacing the built-in")
+    # slime's algorithm and plugin flags (docs/slime.md maps each to its slime name)
+    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
+        _learn("advantage_estimator", "grpo", description="slime's --advantage-estimator")
+    )
+    normalize_advantages: bool = _learn("normalize_advantages", False, description="slime's --normalize-advantages")
+    reward_kl_coef: float = _learn("reward_kl_coef", 0.0, ge=0, description="KL in the reward (slime's --kl-coef)")
+    gamma: float = _learn("gamma", 1.0, ge=0, le=1, description="REINFORCE++'s discount (slime's --gamma)")
+    use_opd: bool = _learn("use_opd", False, description="on-policy distillation from samples' teacher log-probs")
+    opd_kl_coef: float = _learn("opd_kl_coef", 1.0, ge=0, description="slime's --opd-kl-coef")
+    reward_key: str | None = _learn("reward_key", None, description="the scalar of a dict reward (slime's)")
+    reward_batched: bool = _learn("reward_batched", False, description="the reward plugin scores a group (--group-rm)")
+    custom_generate_path: str | None = _learn("custom_generate_path", None, description="slime's generate plugin")
+    rollout_path: str | None = _learn("rollout_path", None, description="slime's --rollout-function-path")
+    eval_rollout_path: str | None = _learn("eval_rollout_path", None, description="slime's --eval-function-path")
+    dynamic_filter_path: str | None = _learn("dynamic_filter_path", None, description="slime's dynamic filter")
+    buffer_filter_path: str | None = _learn("buffer_filter_path", None, description="slime's --buffer-filter-path")
+    reward_post_process_path: str | None = _learn(
+        "reward_post_process_path", None, description="slime's reward post-process"
+    )
+    custom_advantage_path: str | None = _learn("custom_advantage_path", None, description="slime's advantage function")
     backend: Literal["torch", "megatron"] = _learn("backend", "torch", description="trainer backend (docs/megatron.md)")
     max_tokens_per_device: int = _learn("max_tokens_per_device", 4096, ge=1, description="micro-batch token cap")
     megatron: dict[str, Any] = _learn(

@@ -52,10 +52,12 @@ def train_stacked_step(
     Raises:
         TrainingDiverged: a slot's loss, gradient norm or weights are not finite (nothing is stepped,
             or, for the weights, the step is done): the message names the slot.
-        ValueError: as ``train_step``.
+        ValueError: as ``train_step``, or per-token advantages (``config.token_level``).
     """
     if len(slots) != stack.slots:
         raise ValueError(f"{len(slots)} slot batches for a stack of {stack.slots} adapters")
+    if config.token_level:
+        raise ValueError("stacked adapter steps take per-sample advantages; train per-token ones one adapter at a time")
     inputs = [
         prepare_step(
             s.samples,

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,15 +23,17 @@ from torch import Tensor
 from learner.algorithms import (
     TISFunction,
     broadcast_to_tokens,
+    compute_approx_kl,
     entropy_from_logits,
+    group_mean_std,
     grpo_advantages,
     masked_whiten,
     policy_loss_function,
     reduce_masked,
-    reinforce_plus_plus_baseline_advantages,
     target_log_probs,
 )
-from learner.batching import PackedMicroBatch, trained_token_counts
+from learner.algorithms.token_advantages import opd_penalty, shaped_advantages, whiten_tokens
+from learner.batching import PackedMicroBatch, trained_token_counts, training_loss_mask
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
 from learner.slime_args import slime_args
@@ -51,6 +54,7 @@ __all__ = [
     "slime_tis",
     "step_metrics",
     "target_scores",
+    "token_advantages",
     "token_log_probs",
     "token_log_probs_and_entropy",
     "whiten_advantages",
@@ -116,13 +120,109 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
 
 def compute_advantages(samples: Sequence[Sample], config: TrainConfig) -> Tensor:
     """``[N]`` per-sample advantages from the rewards, grouped by ``group_index`` (None: a group of its
-    own), whitened over the trained tokens with ``normalize_advantages`` (``whiten_advantages``)."""
+    own): GRPO's, REINFORCE++-baseline's ``r - mean``, REINFORCE++'s raw ``r``; whitened over the
+    trained tokens when ``config.whitens`` (``whiten_advantages``), unless they become per-token ones
+    (``token_advantages`` whitens those)."""
     rewards = torch.tensor([s.reward_value(config.reward_key) for s in samples], dtype=torch.float32)
     groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(samples)])
     if config.advantage_estimator in ("grpo", "gspo", "cispo"):  # slime normalises all three alike
         advantages = grpo_advantages(rewards, groups, std_normalization=config.grpo_std_normalization)
-        return whiten_advantages(advantages, samples) if config.normalize_advantages else advantages
-    return reinforce_plus_plus_baseline_advantages(rewards, groups, token_counts=trained_token_counts(samples))
+    elif config.advantage_estimator == "reinforce_plus_plus":
+        advantages = rewards
+    else:
+        advantages = rewards - group_mean_std(rewards, groups)[0]
+    return whiten_advantages(advantages, samples) if config.whitens and not config.token_level else advantages
+
+
+def token_advantages(
+    samples: Sequence[Sample],
+    config: TrainConfig,
+    scores: Tensor,
+    old_log_probs: Sequence[Tensor],
+    ref_log_probs: Sequence[Tensor] | None,
+) -> tuple[list[Tensor], dict[str, float]]:
+    """Each sample's per-token advantages (``learner.algorithms.token_advantages``) and their metrics.
+
+    Args:
+        scores: ``[N]`` the per-sample advantages the round gave (or ``compute_advantages``).
+        old_log_probs: each sample's response log-probs under the policy before the update.
+        ref_log_probs: the same under the reference policy, with ``config.kl_coef``.
+
+    Raises:
+        ValueError: distillation with no sample's teacher log-probs (samples without them, such as
+            rated answers, get no distillation term).
+        PluginError: a custom advantage function that sets no advantages of the right shapes.
+    """
+    masks = [torch.tensor(training_loss_mask(s), dtype=torch.float32) for s in samples]
+    if ref_log_probs is not None and config.kl_coef != 0:
+        kl = [
+            compute_approx_kl(o, r, config.loss.kl_loss_type) for o, r in zip(old_log_probs, ref_log_probs, strict=True)
+        ]
+    else:
+        kl = [torch.zeros(s.response_length) for s in samples]
+    metrics: dict[str, float] = {}
+    if config.custom_advantage_path is not None:
+        advantages = _custom_advantages(samples, config, scores, old_log_probs, ref_log_probs, kl, masks)
+    else:
+        advantages = shaped_advantages(
+            config.advantage_estimator, scores.tolist(), kl, masks, kl_coef=config.kl_coef, gamma=config.gamma
+        )
+    if config.kl_coef != 0:
+        metrics["kl_in_reward"] = _masked_mean(kl, masks)
+    if config.use_opd:
+        # A rated answer was never scored by the teacher: only samples with teacher log-probs distil.
+        taught = [i for i, s in enumerate(samples) if s.teacher_log_probs is not None]
+        if not taught:
+            raise ValueError("use_opd needs teacher_log_probs on the samples (a generate or reward plugin sets them)")
+        teacher = [torch.tensor(samples[i].teacher_log_probs or []) for i in taught]
+        penalised, reverse = opd_penalty(
+            [advantages[i] for i in taught], [old_log_probs[i] for i in taught], teacher, config.opd_kl_coef
+        )
+        for i, value in zip(taught, penalised, strict=True):
+            advantages[i] = value
+        metrics["opd_reverse_kl"] = _masked_mean(reverse, [masks[i] for i in taught])
+        metrics["opd_samples"] = float(len(taught))
+    if config.whitens:
+        advantages = whiten_tokens(advantages, masks)
+    return advantages, metrics
+
+
+def _custom_advantages(
+    samples: Sequence[Sample],
+    config: TrainConfig,
+    scores: Tensor,
+    old_log_probs: Sequence[Tensor],
+    ref_log_probs: Sequence[Tensor] | None,
+    kl: list[Tensor],
+    masks: list[Tensor],
+) -> list[Tensor]:
+    """slime's ``--custom-advantage-function-path``: ``f(args, rollout_data)`` fills in the advantages."""
+    plugin = load_plugin(config.custom_advantage_path or "", HookKind.CUSTOM_ADVANTAGE)
+    rollout_data: dict[str, Any] = {
+        "rewards": scores.tolist(),
+        "raw_reward": [s.reward_value(config.reward_key) if s.reward is not None else 0.0 for s in samples],
+        "log_probs": list(old_log_probs),
+        "ref_log_probs": None if ref_log_probs is None else list(ref_log_probs),
+        "rollout_log_probs": [torch.tensor(_behaviour(s)) for s in samples],
+        "teacher_log_probs": [
+            None if s.teacher_log_probs is None else torch.tensor(s.teacher_log_probs) for s in samples
+        ],
+        "kl": kl,
+        "loss_masks": masks,
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [s.total_length for s in samples],
+        "values": None,
+    }
+    plugin.call(slime_args(config.slime_args()), rollout_data)
+    advantages = rollout_data.get("advantages")
+    if not isinstance(advantages, list) or [getattr(a, "shape", None) for a in advantages] != [m.shape for m in masks]:
+        raise plugin.error("did not set rollout_data['advantages'] to one [response_length] tensor per sample")
+    return [a.float() for a in advantages]
+
+
+def _masked_mean(values: Sequence[Tensor], masks: Sequence[Tensor]) -> float:
+    mask = torch.cat(list(masks))
+    return float((torch.cat(list(values)).float() * mask).sum() / mask.sum().clamp_min(1))
 
 
 def whiten_advantages(advantages: Tensor, samples: Sequence[Sample]) -> Tensor:
@@ -149,6 +249,7 @@ class StepInputs:
     # (samples sharing a rollout_id share them; a sample without one is a rollout of its own).
     rollout_mask_sums: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
     shared_rollouts: bool = False  # some rollout_id is shared: the reductions take rollout_mask_sums
+    token_advantages: Sequence[Tensor] | None = None  # per sample, replacing the broadcast of ``advantages``
 
 
 def prepare_step(
@@ -158,6 +259,7 @@ def prepare_step(
     has_ref_model: bool,
     old_log_probs: Sequence[Tensor] | None,
     advantages: Tensor | None,
+    token_advantages: Sequence[Tensor] | None = None,
 ) -> StepInputs:
     """Check a step's inputs and fill in what was left to defaults (see ``torch_backend.train_step``).
 
@@ -192,6 +294,7 @@ def prepare_step(
         rollout_mask_sums=rollout_mask_sums(samples),
         shared_rollouts=len({s.rollout_id for s in samples if s.rollout_id is not None})
         < sum(s.rollout_id is not None for s in samples),
+        token_advantages=token_advantages,
     )
 
 
@@ -263,8 +366,13 @@ def micro_batch_loss(
     # Host tensors are copied without blocking (``to_device``) and the offsets stay on the host (the reductions build
     # their segment ids there): nothing here waits for the forward pass to finish on the device.
     cu_seqlens, loss_mask = batch.cu_seqlens, to_device(batch.loss_mask, device)
-    sample_advantages = to_device(inputs.advantages[list(batch.sample_indices)], device)
-    token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
+    if inputs.token_advantages is None:
+        sample_advantages = to_device(inputs.advantages[list(batch.sample_indices)], device)
+        token_advantages = broadcast_to_tokens(sample_advantages, loss_mask, cu_seqlens)
+    else:
+        packed_advantages = _packed_response_values(samples, batch, inputs.token_advantages, device)
+        assert packed_advantages is not None
+        token_advantages = packed_advantages * loss_mask
     old = _packed_response_values(samples, batch, inputs.old_log_probs, device)
     rollout = _packed_response_values(samples, batch, inputs.behaviour, device)
     supervised = None

@@ -25,6 +25,7 @@ from learner.trainers.step_loss import (
     micro_batch_loss,
     prepare_step,
     step_metrics,
+    token_advantages,
     token_log_probs,
     token_log_probs_and_entropy,
 )
@@ -145,8 +146,17 @@ def train_step(
             non-finite weight after the step.
         ValueError: a missing reference model or behaviour log-probs the config needs.
     """
+    extra: dict[str, float] = {}
+    per_token = None
+    if config.token_level:
+        per_token, extra = _token_advantages(model, samples, config, ref_model, old_log_probs, advantages)
     inputs = prepare_step(
-        samples, config, has_ref_model=ref_model is not None, old_log_probs=old_log_probs, advantages=advantages
+        samples,
+        config,
+        has_ref_model=ref_model is not None,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        token_advantages=per_token,
     )
     started = time.perf_counter()
     model.train()
@@ -179,4 +189,27 @@ def train_step(
         # An enormous learning rate can overflow weights from finite gradients.
         if not all_finite(model.parameters()):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
-    return step_metrics(samples, parts_sum, grad_norm, time.perf_counter() - started)
+    return step_metrics(samples, parts_sum, grad_norm, time.perf_counter() - started) | extra
+
+
+def _token_advantages(
+    model: nn.Module,
+    samples: Sequence[Sample],
+    config: TrainConfig,
+    ref_model: nn.Module | None,
+    old_log_probs: Sequence[Tensor] | None,
+    advantages: Tensor | None,
+) -> tuple[list[Tensor], dict[str, float]]:
+    """``token_advantages`` with the policy's pre-update log-probs (one forward, no gradient, when no
+    old log-probs were given) and the reference's, for KL in the reward.
+
+    Raises:
+        ValueError: ``kl_coef`` without a reference model.
+    """
+    if config.kl_coef != 0 and ref_model is None:
+        raise ValueError("kl_coef != 0 needs a ref_model")
+    cap = config.max_tokens_per_micro_batch
+    old = list(old_log_probs) if old_log_probs is not None else response_log_probs(model, samples, cap)
+    ref = response_log_probs(ref_model, samples, cap) if ref_model is not None and config.kl_coef != 0 else None
+    scores = advantages if advantages is not None else compute_advantages(samples, config)
+    return token_advantages(samples, config, scores, old, ref)

@@ -15,8 +15,10 @@ from learner.plugins import HookKind, load_plugin
 
 __all__ = ["AdapterSpec", "AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
 
-# slime's --advantage-estimator: gspo and cispo take GRPO's advantages and their own policy-gradient term.
-AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"]
+# slime's --advantage-estimator: gspo and cispo take GRPO's advantages and their own policy-gradient term;
+# reinforce_plus_plus's are per token (discounted returns, ``learner.algorithms.token_advantages``).
+AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # slime requires it for both
 Backend = Literal["torch", "megatron"]
 
 
@@ -32,6 +34,13 @@ class TrainConfig:
     serving time instead of the trainer's own (slime's ``--use-rollout-logprobs``; not with TIS).
     ``backend``: ``torch`` (transformers model, one process) or ``megatron`` (megatron-core
     ``GPTModel`` laid out by ``megatron``; docs/megatron.md). Both compute the same losses.
+
+    Per-token advantages (``token_level``; the torch backend): ``kl_coef`` puts ``-kl_coef * KL`` to
+    the reference into the reward (slime's ``--kl-coef``; not with ``loss.kl_loss_coef``), ``gamma``
+    discounts REINFORCE++'s returns, ``use_opd`` subtracts ``opd_kl_coef`` times the reverse KL to the
+    teacher's log-probs (``Sample.teacher_log_probs``; slime's on-policy distillation), and
+    ``custom_advantage_path`` replaces all of it (slime's ``--custom-advantage-function-path``:
+    ``f(args, rollout_data)`` sets ``rollout_data["advantages"]`` and ``["returns"]``).
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -46,8 +55,28 @@ class TrainConfig:
     use_rollout_logprobs: bool = False
     custom_loss_path: str | None = None  # slime's --custom-loss-function-path (see ``custom_loss``)
     custom_tis_path: str | None = None  # slime's --custom-tis-function-path: replaces the built-in TIS
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    use_opd: bool = False
+    opd_kl_coef: float = 1.0
+    custom_advantage_path: str | None = None
     backend: Backend = "torch"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    @property
+    def token_level(self) -> bool:
+        """Whether advantages differ from token to token (computed in the trainer, see the class doc)."""
+        return (
+            self.advantage_estimator == "reinforce_plus_plus"
+            or self.kl_coef != 0
+            or self.use_opd
+            or self.custom_advantage_path is not None
+        )
+
+    @property
+    def whitens(self) -> bool:
+        """Whether advantages are whitened over the batch's trained tokens (slime's --normalize-advantages)."""
+        return self.normalize_advantages or self.advantage_estimator in WHITENED_ESTIMATORS
 
     @property
     def surrogate(self) -> Surrogate:
@@ -69,6 +98,7 @@ class TrainConfig:
             "loss_type": "policy_loss" if self.custom_loss_path is None else "custom_loss",
             "custom_loss_function_path": self.custom_loss_path,
             "custom_tis_function_path": self.custom_tis_path,
+            "custom_advantage_function_path": self.custom_advantage_path,
             "max_tokens_per_gpu": self.max_tokens_per_micro_batch,
         }
 
@@ -91,10 +121,21 @@ class TrainConfig:
             errors.append(refusal)
         if self.custom_tis_path is not None and not self.loss.use_tis:
             errors.append("custom_tis_path needs loss.use_tis")
+        if self.kl_coef != 0 and self.loss.kl_loss_coef != 0:
+            errors.append("kl_coef (KL in the reward) and loss.kl_loss_coef (KL in the loss) exclude each other")
+        if self.kl_coef < 0 or self.opd_kl_coef < 0 or not 0 <= self.gamma <= 1:
+            errors.append("kl_coef and opd_kl_coef must be >= 0 and gamma in [0, 1]")
+        if self.token_level and self.backend == "megatron":
+            errors.append(
+                "per-token advantages (reinforce_plus_plus, kl_coef, use_opd, custom_advantage_path) run on the "
+                "torch backend only"
+            )
         if errors:
             raise ValueError("invalid train config: " + "; ".join(errors))
         if self.custom_loss_path is not None:
             load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
+        if self.custom_advantage_path is not None:
+            load_plugin(self.custom_advantage_path, HookKind.CUSTOM_ADVANTAGE)
         if self.custom_tis_path is not None:
             load_plugin(self.custom_tis_path, HookKind.CUSTOM_TIS)
 

@@ -244,8 +244,8 @@ def load_for_training(path: Path, device: str) -> PreTrainedModel:
 
 
 def reference_model(request: TrainingRequest) -> PreTrainedModel | None:
-    """The KL loss's frozen reference policy, when the loss has one."""
-    if request.config.loss.kl_loss_coef == 0:
+    """The frozen reference policy of the KL loss or of the KL in the reward, when there is one."""
+    if request.config.loss.kl_loss_coef == 0 and request.config.kl_coef == 0:
         return None
     path = request.reference_model_dir or request.base_model_dir
     return load_for_training(path, request.device).eval().requires_grad_(False)

@@ -149,3 +149,22 @@ def test_a_whole_rollout_function_and_an_eval_function(gateway: Gateway, tmp_pat
     generated = rollouts(samples)
     assert generated and all(s["status"] in ("completed", "truncated") for s in generated)
     assert all(len(s["rollout_log_probs"]) == s["response_length"] > 0 for s in generated)
+
+
+def test_reinforce_plus_plus_with_kl_in_the_reward_and_distillation_from_a_teacher(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    train = dataclasses.replace(
+        default_train_config(), advantage_estimator="reinforce_plus_plus", kl_coef=0.01, use_opd=True, opd_kl_coef=0.5
+    )
+    result, samples = run(
+        gateway,
+        tmp_path,
+        reward_path=f"{PLUGINS}.distill.reward_with_teacher",
+        rollout=RolloutConfig(n_samples_per_prompt=3, max_new_tokens=6, seed=8),
+        train_config=train,
+    )
+    taught = [s for s in rollouts(samples) if s["teacher_log_probs"] is not None]
+    assert taught and all(len(s["teacher_log_probs"]) == s["response_length"] for s in taught)
+    assert result.metrics["opd_samples"] == len(taught)  # the rated answers have no teacher scores
+    assert result.metrics["opd_reverse_kl"] != 0 and "kl_in_reward" in result.metrics

@@ -229,3 +229,18 @@ def tis_drop_first_tokens(
 
 def tis_wrong_shape(args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:  # invalid at runtime
     return kwargs["pg_loss"][:1], kwargs["loss_masks"], {}
+
+
+# custom advantage: slime's (args, rollout_data) -> None, setting advantages and returns per sample
+
+
+def advantages_broadcast(args: Any, rollout_data: dict[str, Any]) -> None:
+    """What slime's grpo branch does: each sample's score on every response token."""
+    rollout_data["advantages"] = [
+        torch.ones_like(kl) * r for kl, r in zip(rollout_data["kl"], rollout_data["rewards"], strict=True)
+    ]
+    rollout_data["returns"] = rollout_data["advantages"]
+
+
+def advantages_missing(args: Any, rollout_data: dict[str, Any]) -> None:  # invalid at runtime
+    rollout_data["returns"] = []

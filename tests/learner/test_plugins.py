@@ -111,6 +111,7 @@ INVOKE = {
     HookKind.EVAL_ROLLOUT: functools.partial(invoke_rollout, evaluation=True),
     HookKind.CUSTOM_LOSS: invoke_signature_only,
     HookKind.CUSTOM_TIS: invoke_signature_only,  # run in tests/learner/trainers/test_train_step.py
+    HookKind.CUSTOM_ADVANTAGE: invoke_signature_only,  # run in tests/learner/trainers/test_token_level.py
     HookKind.EVAL: invoke_reward,
 }
 
@@ -169,6 +170,8 @@ CASES = [
     Case(HookKind.CUSTOM_LOSS, examples("custom_loss_three_params"), "load", "takes 3 positional parameters"),
     Case(HookKind.CUSTOM_TIS, examples("tis_vanilla")),
     Case(HookKind.CUSTOM_TIS, examples("custom_loss_three_params"), "load", "does not accept the keyword"),
+    Case(HookKind.CUSTOM_ADVANTAGE, examples("advantages_broadcast")),
+    Case(HookKind.CUSTOM_ADVANTAGE, examples("tis_vanilla"), "load", "takes 1 positional parameters"),
 ]
 
 USER_CASES = [

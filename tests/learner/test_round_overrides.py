@@ -38,6 +38,42 @@ def test_overrides_reach_the_round_config_and_are_stored_as_json(settings: Setti
     assert with_round_settings(settings, {}) is settings
 
 
+def test_slimes_algorithm_and_plugin_settings_reach_the_round(settings: Settings) -> None:
+    plugins = "tests.slime_plugins"
+    overrides = {
+        "advantage_estimator": "reinforce_plus_plus",
+        "reward_kl_coef": 0.05,
+        "gamma": 0.9,
+        "use_opd": True,
+        "opd_kl_coef": 0.5,
+        "reward_key": "score",
+        "reward": "custom",
+        "reward_path": f"{plugins}.tool_generate.reward_func",
+        "custom_generate_path": f"{plugins}.tool_generate.generate",
+        "dynamic_filter_path": f"{plugins}.filters_and_loss.keep_varied",
+        "buffer_filter_path": f"{plugins}.filters_and_loss.pop_first",
+        "eval_rollout_path": f"{plugins}.rollout_fn.generate_rollout",
+    }
+    applied = with_round_settings(settings, check_round_settings(settings, overrides))
+    config = round_config(applied, server_url="http://127.0.0.1:1", admin_key="k", trigger="schedule")
+    train = config.train_config
+    assert (train.advantage_estimator, train.kl_coef, train.gamma, train.reward_key) == (
+        "reinforce_plus_plus",
+        0.05,
+        0.9,
+        "score",
+    )
+    assert train.use_opd and train.opd_kl_coef == 0.5 and train.token_level and train.whitens
+    assert config.rollout.custom_generate_path == overrides["custom_generate_path"]
+    assert (config.dynamic_filter_path, config.buffer_filter_path, config.eval_rollout_path) == (
+        overrides["dynamic_filter_path"],
+        overrides["buffer_filter_path"],
+        overrides["eval_rollout_path"],
+    )
+    with pytest.raises(RoundSettingsError, match="exclude each other"):
+        check_round_settings(settings, {"reward_kl_coef": 0.1, "kl_coef": 0.1})
+
+
 @pytest.mark.parametrize(
     ("overrides", "param"),
     [
