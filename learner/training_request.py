@@ -71,6 +71,8 @@ class TrainingRequest:
             errors.append("adapters train on the torch backend only (the megatron backend trains the whole base)")
         if self.drift is not None and self.drift.on and self.config.backend != "torch":
             errors.append("the drift guard watches the torch backend only")
+        if self.adapter is not None and self.config.advantage_estimator == "ppo":
+            errors.append("ppo's critic is saved with whole checkpoints: personal adapters train other estimators")
         if errors:
             raise ValueError("invalid training request: " + "; ".join(errors))
 

@@ -251,12 +251,15 @@ class LearnerSettings(_Group):
     disagreeing_weight: float = _learn("disagreeing_weight", 0.25, ge=0, le=1)
     custom_loss_path: str | None = _learn("custom_loss_path", None, description="a loss replacing the built-in")
     # slime's algorithm and plugin flags (docs/slime.md maps each to its slime name)
-    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
-        _learn("advantage_estimator", "grpo", description="slime's --advantage-estimator")
-    )
+    advantage_estimator: Literal[
+        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = _learn("advantage_estimator", "grpo", description="slime's --advantage-estimator")
     normalize_advantages: bool = _learn("normalize_advantages", False, description="slime's --normalize-advantages")
     reward_kl_coef: float = _learn("reward_kl_coef", 0.0, ge=0, description="KL in the reward (slime's --kl-coef)")
-    gamma: float = _learn("gamma", 1.0, ge=0, le=1, description="REINFORCE++'s discount (slime's --gamma)")
+    gamma: float = _learn("gamma", 1.0, ge=0, le=1, description="REINFORCE++'s and PPO's discount (slime's --gamma)")
+    lambd: float = _learn("lambd", 1.0, ge=0, le=1, description="PPO's GAE lambda (slime's --lambd)")
+    value_clip: float = _learn("value_clip", 0.2, gt=0, description="PPO's value clip (slime's --value-clip)")
+    critic_lr: float = _learn("critic_lr", 1e-3, gt=0, description="PPO's value head learning rate")
     use_opd: bool = _learn("use_opd", False, description="on-policy distillation from samples' teacher log-probs")
     opd_kl_coef: float = _learn("opd_kl_coef", 1.0, ge=0, description="slime's --opd-kl-coef")
     reward_key: str | None = _learn("reward_key", None, description="the scalar of a dict reward (slime's)")

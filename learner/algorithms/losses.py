@@ -354,6 +354,14 @@ class LossResult:
         return dict(zip(parts, torch.stack(list(parts.values())).tolist(), strict=True))
 
 
+def compute_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
+    """slime's clipped value loss per token, ``max((V_clip - R)^2, (V - R)^2)`` with
+    ``V_clip = V_old + clip(V - V_old, -value_clip, value_clip)``, and where the clip was hit."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = torch.maximum((clipped - returns) ** 2, (values - returns) ** 2)
+    return loss, ((values - old_values).abs() > value_clip).float()
+
+
 def policy_loss_function(
     config: PolicyLossConfig,
     log_probs: Tensor,

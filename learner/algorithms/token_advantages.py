@@ -9,6 +9,9 @@ scalars the round produced (a group-normalised reward, or reward minus a baselin
 - ``reinforce_plus_plus_baseline``: ``A_t = s - kl_coef * KL_t``.
 - ``reinforce_plus_plus``: rewards ``r_t = -kl_coef * KL_t * m_t`` plus ``s`` at the last trained
   token, and ``A_t = G_t = sum_{u >= t} gamma^(u - t) r_u`` (discounted returns).
+- ``ppo``: rewards ``r_t = -kl_coef * KL_t`` plus ``s`` at the last token, and GAE over the critic's
+  values: ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``
+  (``V`` past the end is 0), returns ``A_t + V_t`` (``vanilla_gae`` in ``ppo_utils.py``).
 - on-policy distillation (any estimator): ``A_t -= opd_kl_coef * (logp_t - logp_teacher_t)``, the
   reverse KL to the teacher on the sampled token.
 - ``normalize_advantages``: whitened over every trained token of the batch (``masked_whiten``).
@@ -25,7 +28,15 @@ from torch import Tensor
 
 from learner.algorithms.advantages import masked_whiten
 
-__all__ = ["discounted_returns", "opd_penalty", "reinforce_plus_plus_returns", "shaped_advantages"]
+__all__ = [
+    "discounted_returns",
+    "gae",
+    "opd_penalty",
+    "ppo_token_rewards",
+    "reinforce_plus_plus_returns",
+    "shaped_advantages",
+    "whiten_tokens",
+]
 
 
 def discounted_returns(rewards: Tensor, gamma: float) -> Tensor:
@@ -60,6 +71,41 @@ def reinforce_plus_plus_returns(
         rewards[int(trained[-1])] += score
         returns.append(discounted_returns(rewards, gamma))
     return returns
+
+
+def ppo_token_rewards(scores: Sequence[float], kl: Sequence[Tensor], *, kl_coef: float) -> list[Tensor]:
+    """PPO's per-token rewards: ``-kl_coef * KL_t``, plus the sample's score on its last token (slime's)."""
+    rewards = []
+    for score, kl_i in zip(scores, kl, strict=True):
+        r = -kl_coef * kl_i.float()
+        if r.numel():
+            r[-1] += score
+        rewards.append(r)
+    return rewards
+
+
+def gae(
+    rewards: Sequence[Tensor], values: Sequence[Tensor], *, gamma: float, lambd: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Generalised advantage estimation per sample: ``(advantages, returns)``, returns = advantages + values.
+
+    Raises:
+        ValueError: a sample whose rewards and values differ in length.
+    """
+    advantages, returns = [], []
+    for r, v in zip(rewards, values, strict=True):
+        if r.shape != v.shape:
+            raise ValueError(f"rewards {tuple(r.shape)} and values {tuple(v.shape)} differ in shape")
+        v = v.float()
+        a = torch.zeros_like(v)
+        running = v.new_zeros(())
+        for t in range(v.shape[0] - 1, -1, -1):
+            next_value = v[t + 1] if t + 1 < v.shape[0] else v.new_zeros(())
+            running = r[t] + gamma * next_value - v[t] + gamma * lambd * running
+            a[t] = running
+        advantages.append(a)
+        returns.append(a + v)
+    return advantages, returns
 
 
 def shaped_advantages(

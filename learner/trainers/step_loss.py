@@ -24,6 +24,7 @@ from learner.algorithms import (
     TISFunction,
     broadcast_to_tokens,
     compute_approx_kl,
+    compute_value_loss,
     entropy_from_logits,
     group_mean_std,
     grpo_advantages,
@@ -32,7 +33,7 @@ from learner.algorithms import (
     reduce_masked,
     target_log_probs,
 )
-from learner.algorithms.token_advantages import opd_penalty, shaped_advantages, whiten_tokens
+from learner.algorithms.token_advantages import gae, opd_penalty, ppo_token_rewards, shaped_advantages, whiten_tokens
 from learner.batching import PackedMicroBatch, trained_token_counts, training_loss_mask
 from learner.plugins import HookKind, Plugin, load_plugin
 from learner.sample import Sample
@@ -44,6 +45,7 @@ from learner.trainers.train_config import TrainConfig
 __all__ = [
     "StepInputs",
     "StepTotals",
+    "TokenAdvantages",
     "all_finite",
     "compute_advantages",
     "entropy_in_loss",
@@ -140,17 +142,20 @@ def token_advantages(
     scores: Tensor,
     old_log_probs: Sequence[Tensor],
     ref_log_probs: Sequence[Tensor] | None,
-) -> tuple[list[Tensor], dict[str, float]]:
-    """Each sample's per-token advantages (``learner.algorithms.token_advantages``) and their metrics.
+    values: Sequence[Tensor] | None = None,
+) -> TokenAdvantages:
+    """Each sample's per-token advantages (``learner.algorithms.token_advantages``), PPO's returns,
+    and their metrics.
 
     Args:
         scores: ``[N]`` the per-sample advantages the round gave (or ``compute_advantages``).
         old_log_probs: each sample's response log-probs under the policy before the update.
         ref_log_probs: the same under the reference policy, with ``config.kl_coef``.
+        values: PPO: each sample's response values under the critic before the update.
 
     Raises:
         ValueError: distillation with no sample's teacher log-probs (samples without them, such as
-            rated answers, get no distillation term).
+            rated answers, get no distillation term); PPO without values.
         PluginError: a custom advantage function that sets no advantages of the right shapes.
     """
     masks = [torch.tensor(training_loss_mask(s), dtype=torch.float32) for s in samples]
@@ -161,8 +166,15 @@ def token_advantages(
     else:
         kl = [torch.zeros(s.response_length) for s in samples]
     metrics: dict[str, float] = {}
+    returns = None
     if config.custom_advantage_path is not None:
         advantages = _custom_advantages(samples, config, scores, old_log_probs, ref_log_probs, kl, masks)
+    elif config.advantage_estimator == "ppo":
+        if values is None:
+            raise ValueError("ppo needs the critic's values")
+        rewards = ppo_token_rewards(scores.tolist(), kl, kl_coef=config.kl_coef)
+        advantages, returns = gae(rewards, values, gamma=config.gamma, lambd=config.lambd)
+        metrics["values_mean"] = _masked_mean(values, masks)
     else:
         advantages = shaped_advantages(
             config.advantage_estimator, scores.tolist(), kl, masks, kl_coef=config.kl_coef, gamma=config.gamma
@@ -184,7 +196,16 @@ def token_advantages(
         metrics["opd_samples"] = float(len(taught))
     if config.whitens:
         advantages = whiten_tokens(advantages, masks)
-    return advantages, metrics
+    return TokenAdvantages(advantages, returns, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAdvantages:
+    """``token_advantages``'s result: per-sample advantages, PPO's per-sample returns (else None), metrics."""
+
+    advantages: list[Tensor]
+    returns: list[Tensor] | None
+    metrics: dict[str, float]
 
 
 def _custom_advantages(
@@ -250,6 +271,8 @@ class StepInputs:
     rollout_mask_sums: Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
     shared_rollouts: bool = False  # some rollout_id is shared: the reductions take rollout_mask_sums
     token_advantages: Sequence[Tensor] | None = None  # per sample, replacing the broadcast of ``advantages``
+    returns: Sequence[Tensor] | None = None  # PPO: per sample, the value head's targets
+    old_values: Sequence[Tensor] | None = None  # PPO: per sample, the values before the update (the clip's centre)
 
 
 def prepare_step(
@@ -260,6 +283,8 @@ def prepare_step(
     old_log_probs: Sequence[Tensor] | None,
     advantages: Tensor | None,
     token_advantages: Sequence[Tensor] | None = None,
+    returns: Sequence[Tensor] | None = None,
+    old_values: Sequence[Tensor] | None = None,
 ) -> StepInputs:
     """Check a step's inputs and fill in what was left to defaults (see ``torch_backend.train_step``).
 
@@ -295,6 +320,8 @@ def prepare_step(
         shared_rollouts=len({s.rollout_id for s in samples if s.rollout_id is not None})
         < sum(s.rollout_id is not None for s in samples),
         token_advantages=token_advantages,
+        returns=returns,
+        old_values=old_values,
     )
 
 
@@ -342,9 +369,14 @@ def micro_batch_loss(
     *,
     ref_log_probs: Tensor | None = None,
     token_scores: tuple[Tensor, Tensor] | None = None,
+    values: Tensor | None = None,
 ) -> tuple[Tensor, Mapping[str, Tensor | float]]:
     """The scalar loss to back-propagate for ``batch`` (packed from ``samples``) and its reduced parts
     (detached tensors, or a CUSTOM_LOSS plugin's numbers: sum them in a ``StepTotals``).
+
+    With PPO's critic (``inputs.returns``), ``values`` are the value head's ``[T]`` values with
+    gradient (``learner.trainers.critic``): slime's clipped value loss joins the loss (it trains the
+    head alone) and ``value_loss``, ``value_clipfrac`` the parts.
 
     ``logits`` is ``[T, V]`` with gradient; ``ref_log_probs`` the frozen reference's ``[T]`` log-probs
     when the KL loss is on. ``token_scores``: the ``(log_probs, entropy)`` that
@@ -412,7 +444,11 @@ def micro_batch_loss(
             sample_temperatures=[s.rollout_temperature for s in chosen],  # ... tandem's, one per sample
         )
         loss_batch = slime_loss_batch(samples, batch, packed, inputs.rollout_mask_sums)
-        return call_custom_loss(inputs.custom, args, loss_batch, logits.unsqueeze(0), sum_of_sample_mean)
+        loss_batch["values"] = _per_sample(inputs.old_values, batch)
+        loss_batch["returns"] = _per_sample(inputs.returns, batch)
+        loss, parts = call_custom_loss(inputs.custom, args, loss_batch, logits.unsqueeze(0), sum_of_sample_mean)
+        critic = _value_loss(config, inputs, samples, batch, values, loss_mask, denominators)
+        return (loss, parts) if critic is None else (loss + critic[0], {**parts, **_floats(critic[1])})
     result = policy_loss_function(
         loss_config,
         log_probs,
@@ -430,7 +466,53 @@ def micro_batch_loss(
         tis_function=None if inputs.tis_plugin is None else slime_tis(inputs.tis_plugin, config, samples, batch),
         denominators=denominators,
     )
-    return result.loss, result.parts()
+    critic = _value_loss(config, inputs, samples, batch, values, loss_mask, denominators)
+    if critic is None:
+        return result.loss, result.parts()
+    return result.loss + critic[0], {**result.parts(), **critic[1]}
+
+
+def _value_loss(
+    config: TrainConfig,
+    inputs: StepInputs,
+    samples: Sequence[Sample],
+    batch: PackedMicroBatch,
+    values: Tensor | None,
+    loss_mask: Tensor,
+    denominators: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]] | None:
+    """PPO's clipped value loss over the micro-batch and its metrics; None without a critic."""
+    if inputs.returns is None:
+        return None
+    if values is None:
+        raise ValueError("PPO's value loss needs the value head's values; none were given")
+    device = values.device
+    returns = _packed_response_values(samples, batch, inputs.returns, device)
+    old = _packed_response_values(samples, batch, inputs.old_values, device)
+    assert returns is not None and old is not None
+    per_token, clipped = compute_value_loss(values, old, returns, config.value_clip)
+
+    def reduce(x: Tensor) -> Tensor:
+        return reduce_masked(
+            x,
+            loss_mask,
+            config.loss.reduction,
+            num_samples=len(samples),
+            num_tokens=inputs.num_tokens,
+            cu_seqlens=batch.cu_seqlens,
+            denominators=denominators,
+        )
+
+    loss = reduce(per_token)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipped).detach()}
+
+
+def _per_sample(values: Sequence[Tensor] | None, batch: PackedMicroBatch) -> list[Tensor] | None:
+    return None if values is None else [values[i] for i in batch.sample_indices]
+
+
+def _floats(parts: Mapping[str, Tensor]) -> dict[str, float]:
+    return {name: float(value) for name, value in parts.items()}
 
 
 def slime_tis(plugin: Plugin, config: TrainConfig, samples: Sequence[Sample], batch: PackedMicroBatch) -> TISFunction:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
 from learner.sample import Sample
+from learner.trainers.critic import ValueHead, forward_logits_and_values, response_values
 from learner.trainers.step_loss import (
     StepTotals,
     all_finite,
@@ -123,6 +125,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     old_log_probs: Sequence[Tensor] | None = None,
     advantages: Tensor | None = None,
+    critic: ValueHead | None = None,
 ) -> dict[str, float]:
     """One optimizer step of the policy loss over ``samples`` (token-capped micro-batches, accumulated).
 
@@ -136,6 +139,8 @@ def train_step(
             (``response_log_probs``); None: the behaviour log-probs with ``use_rollout_logprobs``, else
             the current ones (on-policy, ratio 1).
         advantages: ``[N]`` per-sample advantages; None: ``compute_advantages`` from the rewards.
+        critic: PPO's value head (``learner.trainers.critic``), required with ``ppo``; its parameters
+            must be in ``optimizer``.
 
     Returns:
         slime's ``train/`` metrics (loss, pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss, tis...,
@@ -146,17 +151,20 @@ def train_step(
             non-finite weight after the step.
         ValueError: a missing reference model or behaviour log-probs the config needs.
     """
-    extra: dict[str, float] = {}
+    if (config.advantage_estimator == "ppo") != (critic is not None):
+        raise ValueError("a critic goes with advantage_estimator 'ppo', and only with it")
     per_token = None
     if config.token_level:
-        per_token, extra = _token_advantages(model, samples, config, ref_model, old_log_probs, advantages)
+        per_token = _token_advantages(model, samples, config, ref_model, old_log_probs, advantages, critic)
     inputs = prepare_step(
         samples,
         config,
         has_ref_model=ref_model is not None,
         old_log_probs=old_log_probs,
         advantages=advantages,
-        token_advantages=per_token,
+        token_advantages=None if per_token is None else per_token.advantages,
+        returns=None if per_token is None else per_token.returns,
+        old_values=None if per_token is None or critic is None else per_token.values,
     )
     started = time.perf_counter()
     model.train()
@@ -168,8 +176,13 @@ def train_step(
         if ref_model is not None and config.loss.kl_loss_coef != 0:
             with torch.no_grad():
                 ref_log_probs = compute_log_probs(ref_model, batch)
+        values = None
+        if critic is not None:
+            logits, values = forward_logits_and_values(model, critic, batch)
+        else:
+            logits = forward_logits(model, batch)
         loss, parts = micro_batch_loss(
-            config, inputs, samples, batch, forward_logits(model, batch), ref_log_probs=ref_log_probs
+            config, inputs, samples, batch, logits, ref_log_probs=ref_log_probs, values=values
         )
         loss.backward()
         # Every part is reduced over the whole step's counts, so micro-batch values add up to the step's.
@@ -189,6 +202,7 @@ def train_step(
         # An enormous learning rate can overflow weights from finite gradients.
         if not all_finite(model.parameters()):
             raise TrainingDiverged("a weight became non-finite in the optimizer step")
+    extra = {} if per_token is None else per_token.metrics
     return step_metrics(samples, parts_sum, grad_norm, time.perf_counter() - started) | extra
 
 
@@ -199,9 +213,10 @@ def _token_advantages(
     ref_model: nn.Module | None,
     old_log_probs: Sequence[Tensor] | None,
     advantages: Tensor | None,
-) -> tuple[list[Tensor], dict[str, float]]:
+    critic: ValueHead | None,
+) -> _PerToken:
     """``token_advantages`` with the policy's pre-update log-probs (one forward, no gradient, when no
-    old log-probs were given) and the reference's, for KL in the reward.
+    old log-probs were given), the reference's for KL in the reward, and the critic's values for PPO.
 
     Raises:
         ValueError: ``kl_coef`` without a reference model.
@@ -211,5 +226,15 @@ def _token_advantages(
     cap = config.max_tokens_per_micro_batch
     old = list(old_log_probs) if old_log_probs is not None else response_log_probs(model, samples, cap)
     ref = response_log_probs(ref_model, samples, cap) if ref_model is not None and config.kl_coef != 0 else None
+    values = None if critic is None else response_values(model, critic, samples, cap)
     scores = advantages if advantages is not None else compute_advantages(samples, config)
-    return token_advantages(samples, config, scores, old, ref)
+    result = token_advantages(samples, config, scores, old, ref, values)
+    return _PerToken(result.advantages, result.returns, values, result.metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class _PerToken:
+    advantages: list[Tensor]
+    returns: list[Tensor] | None
+    values: list[Tensor] | None  # PPO: the critic's before the update
+    metrics: dict[str, float]

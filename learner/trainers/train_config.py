@@ -16,8 +16,8 @@ from learner.plugins import HookKind, load_plugin
 __all__ = ["AdapterSpec", "AdvantageEstimator", "Backend", "TrainConfig", "TrainingDiverged"]
 
 # slime's --advantage-estimator: gspo and cispo take GRPO's advantages and their own policy-gradient term;
-# reinforce_plus_plus's are per token (discounted returns, ``learner.algorithms.token_advantages``).
-AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+# reinforce_plus_plus's and ppo's are per token (discounted returns; GAE over a critic's values).
+AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # slime requires it for both
 Backend = Literal["torch", "megatron"]
 
@@ -41,6 +41,8 @@ class TrainConfig:
     teacher's log-probs (``Sample.teacher_log_probs``; slime's on-policy distillation), and
     ``custom_advantage_path`` replaces all of it (slime's ``--custom-advantage-function-path``:
     ``f(args, rollout_data)`` sets ``rollout_data["advantages"]`` and ``["returns"]``).
+    ``ppo`` trains a critic beside the policy (``learner.trainers.critic``): GAE with ``gamma`` and
+    ``lambd`` over its values, its clipped value loss (``value_clip``) at ``critic_lr``.
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -60,6 +62,9 @@ class TrainConfig:
     use_opd: bool = False
     opd_kl_coef: float = 1.0
     custom_advantage_path: str | None = None
+    lambd: float = 1.0
+    value_clip: float = 0.2
+    critic_lr: float = 1e-3  # a linear head on frozen features: the policy's lr would barely move it
     backend: Backend = "torch"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -67,7 +72,7 @@ class TrainConfig:
     def token_level(self) -> bool:
         """Whether advantages differ from token to token (computed in the trainer, see the class doc)."""
         return (
-            self.advantage_estimator == "reinforce_plus_plus"
+            self.advantage_estimator in ("reinforce_plus_plus", "ppo")
             or self.kl_coef != 0
             or self.use_opd
             or self.custom_advantage_path is not None
@@ -123,12 +128,14 @@ class TrainConfig:
             errors.append("custom_tis_path needs loss.use_tis")
         if self.kl_coef != 0 and self.loss.kl_loss_coef != 0:
             errors.append("kl_coef (KL in the reward) and loss.kl_loss_coef (KL in the loss) exclude each other")
-        if self.kl_coef < 0 or self.opd_kl_coef < 0 or not 0 <= self.gamma <= 1:
-            errors.append("kl_coef and opd_kl_coef must be >= 0 and gamma in [0, 1]")
+        if self.kl_coef < 0 or self.opd_kl_coef < 0 or not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            errors.append("kl_coef and opd_kl_coef must be >= 0, gamma and lambd in [0, 1]")
+        if self.value_clip <= 0 or self.critic_lr <= 0:
+            errors.append("value_clip and critic_lr must be > 0")
         if self.token_level and self.backend == "megatron":
             errors.append(
-                "per-token advantages (reinforce_plus_plus, kl_coef, use_opd, custom_advantage_path) run on the "
-                "torch backend only"
+                "per-token advantages (reinforce_plus_plus, ppo, kl_coef, use_opd, custom_advantage_path) run on "
+                "the torch backend only"
             )
         if errors:
             raise ValueError("invalid train config: " + "; ".join(errors))

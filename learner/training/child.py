@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 from learner.child_process import run_child, write_outcome
 from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_adapter, export_checkpoint
+from learner.trainers.critic import ValueHead
 from learner.trainers.drift import DriftWatch, PolicyDrifted
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, response_scores, train_step
 from learner.training_request import AdapterSpec, TrainingRequest
@@ -160,7 +161,12 @@ def _train(
     # The trained module: the model itself, or the model frozen under a LoRA adapter.
     policy = model if request.adapter is None else _with_adapter(model, request.adapter)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=request.learning_rate, weight_decay=request.weight_decay)
+    groups: list[dict[str, Any]] = [{"params": trainable}]
+    critic = None
+    if request.config.advantage_estimator == "ppo":  # the parent's critic, or a fresh one
+        critic = ValueHead.load(request.base_model_dir, model.config.hidden_size, request.device)
+        groups.append({"params": list(critic.parameters()), "lr": request.config.critic_lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=request.learning_rate, weight_decay=request.weight_decay)
     samples = list(request.samples)
     advantages = None if request.advantages is None else torch.tensor(request.advantages, dtype=torch.float32)
     old_log_probs = None
@@ -181,6 +187,7 @@ def _train(
                 ref_model=ref_model,
                 old_log_probs=old_log_probs,
                 advantages=advantages,
+                critic=critic,
             )
         )
         if drift is not None:
@@ -189,9 +196,12 @@ def _train(
             evaluations.append(evaluate(policy, step))
     if request.adapter is not None:
         return export_adapter(policy, request.out_dir)
-    return export_checkpoint(
+    exported = export_checkpoint(
         model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
     )
+    if critic is not None:
+        critic.save(exported.path)  # beside the weights, for the next round (not in their sha256)
+    return exported
 
 
 def _drift_probe(

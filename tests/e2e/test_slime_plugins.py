@@ -24,6 +24,7 @@ from learner.plugins import load_function
 from learner.rollout import RolloutConfig
 from learner.round import RoundConfig, RoundResult, run_round
 from learner.round_config import default_train_config
+from learner.trainers.critic import VALUE_HEAD_FILE
 from tests.e2e.test_learning_round import DRIFT_OFF, EVAL_OFF, LEARNING_RATE, chat_and_rate, serving
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
@@ -168,3 +169,18 @@ def test_reinforce_plus_plus_with_kl_in_the_reward_and_distillation_from_a_teach
     assert taught and all(len(s["teacher_log_probs"]) == s["response_length"] for s in taught)
     assert result.metrics["opd_samples"] == len(taught)  # the rated answers have no teacher scores
     assert result.metrics["opd_reverse_kl"] != 0 and "kl_in_reward" in result.metrics
+
+
+def test_ppo_keeps_its_critic_from_round_to_round(gateway: Gateway, tmp_path: Path) -> None:
+    train = dataclasses.replace(default_train_config(), advantage_estimator="ppo", gamma=0.95, lambd=0.9)
+    settings: dict[str, Any] = {
+        "reward_path": f"{PLUGINS}.rollout_fn.reward_func",
+        "rollout": RolloutConfig(n_samples_per_prompt=2, max_new_tokens=6, seed=9),
+        "train_config": train,
+    }
+    first, _ = run(gateway, tmp_path / "first", **settings)
+    assert first.checkpoint_path is not None
+    assert (Path(first.checkpoint_path) / VALUE_HEAD_FILE).is_file()  # beside the weights
+    assert first.metrics["values_mean"] == 0.0 and first.metrics["value_loss"] > 0  # a fresh critic
+    second, _ = run(gateway, tmp_path / "second", **settings)
+    assert second.metrics["values_mean"] != 0.0  # the parent's critic, trained in the first round

@@ -1,14 +1,17 @@
-"""Per-token advantages against hand computation: REINFORCE++, KL in the reward, distillation."""
+"""Per-token advantages against hand computation: REINFORCE++, KL in the reward, distillation,
+PPO's GAE and value loss."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from learner.algorithms import masked_whiten
+from learner.algorithms import compute_value_loss, masked_whiten
 from learner.algorithms.token_advantages import (
     discounted_returns,
+    gae,
     opd_penalty,
+    ppo_token_rewards,
     reinforce_plus_plus_returns,
     shaped_advantages,
     whiten_tokens,
@@ -58,3 +61,22 @@ def test_whitening_runs_over_every_trained_token() -> None:
     assert float(trained.mean()) == pytest.approx(0.0, abs=1e-6) and float(trained.std()) == pytest.approx(
         1.0, abs=1e-4
     )
+
+
+def test_gae_by_hand() -> None:
+    advantages, returns = gae([torch.tensor([0.0, 1.0])], [torch.tensor([0.5, 0.2])], gamma=0.9, lambd=0.8)
+    # t=1: delta = 1 + 0.9 * 0 - 0.2 = 0.8; t=0: delta = 0 + 0.9 * 0.2 - 0.5 = -0.32, A = -0.32 + 0.72 * 0.8
+    assert advantages[0].tolist() == pytest.approx([0.256, 0.8])
+    assert returns[0].tolist() == pytest.approx([0.756, 1.0])
+
+
+def test_ppo_rewards_put_the_score_on_the_last_token() -> None:
+    rewards = ppo_token_rewards([2.0], [torch.tensor([0.1, 0.2])], kl_coef=0.5)
+    assert rewards[0].tolist() == pytest.approx([-0.05, 1.9])
+
+
+def test_the_value_loss_is_slimes_clipped_square() -> None:
+    values, old, returns = torch.tensor([1.0, 0.1]), torch.tensor([0.5, 0.0]), torch.tensor([0.0, 1.0])
+    loss, clipped = compute_value_loss(values, old, returns, value_clip=0.2)
+    # token 0: V moved 0.5 > 0.2, clipped to 0.7: max(0.49, 1.0) = 1.0; token 1: inside the clip: 0.81
+    assert loss.tolist() == pytest.approx([1.0, 0.81]) and clipped.tolist() == [1.0, 0.0]

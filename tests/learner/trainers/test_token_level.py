@@ -1,5 +1,5 @@
 """Per-token advantages in a training step: REINFORCE++ with KL in the reward, distillation, a custom
-advantage function; each checked against a computation by hand on the tiny model."""
+advantage function, PPO with a critic; each checked against a computation by hand on the tiny model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from learner.algorithms import PolicyLossConfig
 from learner.plugins import PluginError
 from learner.sample import Sample
 from learner.trainers import TrainConfig, response_log_probs, train_step
+from learner.trainers.critic import ValueHead
 from tests.learner.trainers.conftest import load_tiny, random_samples
 
 EXAMPLES = "tests.learner.plugins_examples"
@@ -101,5 +102,30 @@ def test_settings_that_cannot_go_together_are_refused() -> None:
         TrainConfig(kl_coef=0.1, loss=PolicyLossConfig(kl_loss_coef=0.1))
     with pytest.raises(ValueError, match="torch backend only"):
         TrainConfig(advantage_estimator="reinforce_plus_plus", backend="megatron")
-    with pytest.raises(ValueError, match="gamma in \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="gamma and lambd in \\[0, 1\\]"):
         TrainConfig(gamma=1.5)
+
+
+def test_ppo_trains_a_critic_by_gae_and_slimes_value_loss(base_dir: Path, tmp_path: Path) -> None:
+    samples = random_samples(4, seed=10)
+    model = load_tiny(base_dir)
+    critic = ValueHead(model.config.hidden_size)
+    optimizer = torch.optim.AdamW(
+        [{"params": model.parameters(), "lr": 0.0}, {"params": critic.parameters(), "lr": 0.05}]
+    )
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    config = TrainConfig(advantage_estimator="ppo", clip_grad=None)
+    first = train_step(model, optimizer, samples, config, advantages=scores, critic=critic)
+    # A fresh critic values every state 0: with gamma = lambd = 1 and no KL, every token's advantage
+    # and return is its sample's score; the value loss is (0 - score)^2.
+    assert first["pg_loss"] == pytest.approx(-float(scores.mean()), abs=1e-6)
+    assert first["value_loss"] == pytest.approx(float((scores**2).mean()), abs=1e-5)
+    assert first["values_mean"] == 0.0 and first["value_clipfrac"] == 0.0
+    second = train_step(model, optimizer, samples, config, advantages=scores, critic=critic)
+    assert second["values_mean"] != 0.0 and second["value_loss"] < first["value_loss"]  # the critic learns
+    critic.save(tmp_path)
+    again = ValueHead.load(tmp_path, model.config.hidden_size)
+    torch.testing.assert_close(again.linear.weight, critic.linear.weight)
+    assert ValueHead.load(tmp_path / "nowhere", 8).linear.weight.abs().sum() == 0  # none saved: a fresh head
+    with pytest.raises(ValueError, match="a critic goes with advantage_estimator 'ppo'"):
+        train_step(model, optimizer, samples, config, advantages=scores)
