@@ -62,6 +62,7 @@ class HookKind(StrEnum):
     CUSTOM_LOSS = "custom_loss"
     CUSTOM_TIS = "custom_tis"
     CUSTOM_ADVANTAGE = "custom_advantage"
+    CUSTOM_PG_REDUCER = "custom_pg_reducer"
     EVAL = "eval"
 
 
@@ -176,6 +177,14 @@ _SPECS = (
         "None (sets rollout_data['advantages'] and ['returns'])",
         False,
         "--custom-advantage-function-path",
+    ),
+    # Called per micro-batch; returns the reducer of pg_loss, over the responses' tokens end to end.
+    HookSpec(
+        HookKind.CUSTOM_PG_REDUCER,
+        ("total_lengths", "response_lengths", "loss_masks", "calculate_per_token_loss"),
+        "(values) -> scalar",
+        False,
+        "--custom-pg-loss-reducer-function-path",
     ),
 )
 HOOKS: Mapping[HookKind, HookSpec] = MappingProxyType({spec.kind: spec for spec in _SPECS})

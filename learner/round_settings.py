@@ -60,6 +60,7 @@ def train_config(settings: Settings) -> TrainConfig:
         use_opd=learner.use_opd,
         opd_kl_coef=learner.opd_kl_coef,
         custom_advantage_path=learner.custom_advantage_path,
+        custom_pg_reducer_path=learner.custom_pg_reducer_path,
     )
 
 

@@ -273,6 +273,7 @@ class LearnerSettings(_Group):
         "reward_post_process_path", None, description="slime's reward post-process"
     )
     custom_advantage_path: str | None = _learn("custom_advantage_path", None, description="slime's advantage function")
+    custom_pg_reducer_path: str | None = _learn("custom_pg_reducer_path", None, description="slime's pg-loss reducer")
     backend: Literal["torch", "megatron"] = _learn("backend", "torch", description="trainer backend (docs/megatron.md)")
     max_tokens_per_device: int = _learn("max_tokens_per_device", 4096, ge=1, description="micro-batch token cap")
     megatron: dict[str, Any] = _learn(

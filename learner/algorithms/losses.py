@@ -379,6 +379,7 @@ def policy_loss_function(
     supervised: Tensor | None = None,
     tis_function: TISFunction | None = None,
     denominators: Tensor | None = None,
+    pg_reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> LossResult:
     """``loss = R(pg * w) + sft_coef * R(-logp on supervised tokens) + kl_loss_coef * R(KL(logp, logp_ref))
     - entropy_coef * R(H)``.
@@ -440,7 +441,7 @@ def policy_loss_function(
     elif config.use_tis and rollout_log_probs is not None:
         tis = compute_tis_weights(old, rollout_log_probs, config.tis_clip, config.tis_clip_low, config.tis_mode)
         pg_values = pg_values * tis.weights
-    pg_loss = reduce(pg_values, pg_mask)
+    pg_loss = reduce(pg_values, pg_mask) if pg_reduce is None else pg_reduce(pg_values, pg_mask)
     loss = pg_loss
 
     sft_loss = None

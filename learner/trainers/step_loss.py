@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "prepare_step",
     "rollout_mask_sums",
     "shifted",
+    "slime_pg_reduce",
     "slime_tis",
     "step_metrics",
     "target_scores",
@@ -263,6 +264,7 @@ class StepInputs:
     num_tokens: int  # trained tokens over the whole step, at least 1 per sample (token_mean's denominator)
     custom: Plugin | None
     tis_plugin: Plugin | None = None  # slime's --custom-tis-function-path, replacing the built-in TIS
+    pg_reducer: Plugin | None = None  # slime's --custom-pg-loss-reducer-function-path
     # Some sample of the step is supervised: every micro-batch then reports sft_loss (data-parallel
     # replicas sum the same named values, so a name must not depend on a micro-batch's samples).
     supervised: bool = False
@@ -315,6 +317,11 @@ def prepare_step(
         num_tokens=int(trained_token_counts(samples).clamp_min(1).sum()),
         custom=load_plugin(config.custom_loss_path, HookKind.CUSTOM_LOSS) if config.custom_loss_path else None,
         tis_plugin=load_plugin(config.custom_tis_path, HookKind.CUSTOM_TIS) if config.custom_tis_path else None,
+        pg_reducer=(
+            load_plugin(config.custom_pg_reducer_path, HookKind.CUSTOM_PG_REDUCER)
+            if config.custom_pg_reducer_path
+            else None
+        ),
         supervised=any(s.supervised for s in samples),
         rollout_mask_sums=rollout_mask_sums(samples),
         shared_rollouts=len({s.rollout_id for s in samples if s.rollout_id is not None})
@@ -465,6 +472,9 @@ def micro_batch_loss(
         supervised=supervised,
         tis_function=None if inputs.tis_plugin is None else slime_tis(inputs.tis_plugin, config, samples, batch),
         denominators=denominators,
+        pg_reduce=None
+        if inputs.pg_reducer is None
+        else slime_pg_reduce(inputs.pg_reducer, config, inputs, samples, batch),
     )
     critic = _value_loss(config, inputs, samples, batch, values, loss_mask, denominators)
     if critic is None:
@@ -513,6 +523,38 @@ def _per_sample(values: Sequence[Tensor] | None, batch: PackedMicroBatch) -> lis
 
 def _floats(parts: Mapping[str, Tensor]) -> dict[str, float]:
     return {name: float(value) for name, value in parts.items()}
+
+
+def slime_pg_reduce(
+    plugin: Plugin, config: TrainConfig, inputs: StepInputs, samples: Sequence[Sample], batch: PackedMicroBatch
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """A CUSTOM_PG_REDUCER plugin as ``policy_loss_function``'s ``pg_reduce`` on one micro-batch.
+
+    slime's contract: ``f(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)``
+    gives a reducer of the pg values over the responses' tokens, end to end, in slime's scale (a sum
+    over the samples, or over the tokens per token); divided here by the step's sample (or token)
+    count, as slime scales the loss by the step's size, so micro-batches add up to the step.
+
+    Raises:
+        PluginError: a result that is not callable, or a reducer that gives no scalar.
+    """
+    spans = response_spans(samples, batch)
+    at = torch.cat([torch.arange(start, end) for start, end in spans])
+    per_token = config.loss.reduction == "token_mean"
+    scale = inputs.num_tokens if per_token else len(samples)
+
+    def reduce(values: Tensor, mask: Tensor) -> Tensor:
+        masks = [mask[start:end] for start, end in spans]
+        totals = [samples[i].total_length for i in batch.sample_indices]
+        reducer = plugin.call(totals, [end - start for start, end in spans], masks, per_token)
+        if not callable(reducer):
+            raise plugin.error(f"returned a {type(reducer).__name__}, not a reducer")
+        result = reducer(values[at.to(values.device)])
+        if not isinstance(result, Tensor) or result.dim() != 0:
+            raise plugin.error("its reducer gave no scalar tensor")
+        return result / max(scale, 1)
+
+    return reduce
 
 
 def slime_tis(plugin: Plugin, config: TrainConfig, samples: Sequence[Sample], batch: PackedMicroBatch) -> TISFunction:

@@ -62,6 +62,7 @@ class TrainConfig:
     use_opd: bool = False
     opd_kl_coef: float = 1.0
     custom_advantage_path: str | None = None
+    custom_pg_reducer_path: str | None = None  # slime's --custom-pg-loss-reducer-function-path
     lambd: float = 1.0
     value_clip: float = 0.2
     critic_lr: float = 1e-3  # a linear head on frozen features: the policy's lr would barely move it
@@ -104,6 +105,7 @@ class TrainConfig:
             "custom_loss_function_path": self.custom_loss_path,
             "custom_tis_function_path": self.custom_tis_path,
             "custom_advantage_function_path": self.custom_advantage_path,
+            "custom_pg_loss_reducer_function_path": self.custom_pg_reducer_path,
             "max_tokens_per_gpu": self.max_tokens_per_micro_batch,
         }
 
@@ -143,6 +145,8 @@ class TrainConfig:
             load_plugin(self.custom_loss_path, HookKind.CUSTOM_LOSS)  # a wrong path fails now, not in the child
         if self.custom_advantage_path is not None:
             load_plugin(self.custom_advantage_path, HookKind.CUSTOM_ADVANTAGE)
+        if self.custom_pg_reducer_path is not None:
+            load_plugin(self.custom_pg_reducer_path, HookKind.CUSTOM_PG_REDUCER)
         if self.custom_tis_path is not None:
             load_plugin(self.custom_tis_path, HookKind.CUSTOM_TIS)
 

@@ -244,3 +244,30 @@ def advantages_broadcast(args: Any, rollout_data: dict[str, Any]) -> None:
 
 def advantages_missing(args: Any, rollout_data: dict[str, Any]) -> None:  # invalid at runtime
     rollout_data["returns"] = []
+
+
+# custom pg-loss reducer: slime's (total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer
+
+
+def pg_reducer_sample_mean(
+    total_lengths: list[int], response_lengths: list[int], loss_masks: list[Any], calculate_per_token_loss: bool
+) -> Any:
+    """slime's own sum_of_sample_mean, written out: each sample's masked mean, summed."""
+
+    def reduce(values: Any) -> Any:
+        parts = values.split(response_lengths)
+        return sum((p * m).sum() / m.sum().clamp_min(1) for p, m in zip(parts, loss_masks, strict=True))
+
+    return reduce
+
+
+def pg_reducer_longest_only(
+    total_lengths: list[int], response_lengths: list[int], loss_masks: list[Any], calculate_per_token_loss: bool
+) -> Any:
+    """Only the longest response's tokens count (a reducer that changes the loss)."""
+    longest = max(range(len(response_lengths)), key=response_lengths.__getitem__)
+
+    def reduce(values: Any) -> Any:
+        return values.split(response_lengths)[longest].sum()
+
+    return reduce

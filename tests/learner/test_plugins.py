@@ -112,6 +112,7 @@ INVOKE = {
     HookKind.CUSTOM_LOSS: invoke_signature_only,
     HookKind.CUSTOM_TIS: invoke_signature_only,  # run in tests/learner/trainers/test_train_step.py
     HookKind.CUSTOM_ADVANTAGE: invoke_signature_only,  # run in tests/learner/trainers/test_token_level.py
+    HookKind.CUSTOM_PG_REDUCER: invoke_signature_only,  # run in tests/learner/trainers/test_token_level.py
     HookKind.EVAL: invoke_reward,
 }
 
@@ -172,6 +173,8 @@ CASES = [
     Case(HookKind.CUSTOM_TIS, examples("custom_loss_three_params"), "load", "does not accept the keyword"),
     Case(HookKind.CUSTOM_ADVANTAGE, examples("advantages_broadcast")),
     Case(HookKind.CUSTOM_ADVANTAGE, examples("tis_vanilla"), "load", "takes 1 positional parameters"),
+    Case(HookKind.CUSTOM_PG_REDUCER, examples("pg_reducer_sample_mean")),
+    Case(HookKind.CUSTOM_PG_REDUCER, examples("custom_loss_three_params"), "load", "is called with 4"),
 ]
 
 USER_CASES = [

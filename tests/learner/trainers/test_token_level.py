@@ -129,3 +129,24 @@ def test_ppo_trains_a_critic_by_gae_and_slimes_value_loss(base_dir: Path, tmp_pa
     assert ValueHead.load(tmp_path / "nowhere", 8).linear.weight.abs().sum() == 0  # none saved: a fresh head
     with pytest.raises(ValueError, match="a critic goes with advantage_estimator 'ppo'"):
         train_step(model, optimizer, samples, config, advantages=scores)
+
+
+def test_a_custom_pg_loss_reducer_with_slimes_contract(base_dir: Path) -> None:
+    samples = random_samples(5, seed=11)
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.25, 2.0])
+    built_in = step(load_tiny(base_dir), samples, TrainConfig(clip_grad=None), advantages=advantages)
+    same = TrainConfig(clip_grad=None, custom_pg_reducer_path=f"{EXAMPLES}:pg_reducer_sample_mean")
+    written_out = step(
+        load_tiny(base_dir),
+        samples,
+        same,
+        advantages=advantages,
+    )
+    assert written_out["pg_loss"] == pytest.approx(built_in["pg_loss"], abs=1e-6)
+    assert written_out["pg_clipfrac"] == built_in["pg_clipfrac"]  # the metrics keep the built-in reduction
+    longest = TrainConfig(clip_grad=None, custom_pg_reducer_path=f"{EXAMPLES}:pg_reducer_longest_only")
+    i = max(range(5), key=lambda k: samples[k].response_length)
+    expected = -float(advantages[i]) * samples[i].response_length / 5  # on-policy pg is -A per token
+    assert step(load_tiny(base_dir), samples, longest, advantages=advantages)["pg_loss"] == pytest.approx(
+        expected, abs=1e-5
+    )
