@@ -50,8 +50,12 @@ ROLLOUT_NAMES = frozenset(
         "response_length_mean",
     }
 )
-# The loss's own parts (slime's train/ names) and the step's gradient norm.
-TRAIN_NAMES = frozenset({f.name for f in fields(LossResult)} | {"grad_norm"})
+# The loss's own parts (slime's train/ names), the critic's and the per-token advantages', and the
+# step's gradient norm.
+TRAIN_NAMES = frozenset(
+    {f.name for f in fields(LossResult)}
+    | {"value_loss", "value_clipfrac", "values_mean", "kl_in_reward", "opd_reverse_kl", "opd_samples", "grad_norm"}
+)
 
 
 @dataclass(frozen=True, slots=True)

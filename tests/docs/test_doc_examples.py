@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from learner.plugins import use_slime_compat
 from migrations.migrate import upgrade
 from server.engines.local.engine import LocalEngine
 from server.engines.sglang_server import create_engine_app
@@ -161,6 +162,7 @@ def test_every_example_is_well_formed(block: DocBlock) -> None:
     if block.mode == "not run":
         assert block.why, f"{block.name}: say why it is not run"
     if block.language == "python":
+        use_slime_compat()  # plugin examples import slime's modules, which the learner serves
         tree = ast.parse(block.code, block.name)
         compile(block.code, block.name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
         for node in ast.walk(tree):

@@ -92,7 +92,7 @@ def test_a_model_name_with_slashes_is_one_folder(tmp_path: Path) -> None:
 
 
 def test_unknown_and_grouped_names(tmp_path: Path) -> None:
-    metrics = {"samples": 3, "baseline_mean": 0.1, "perf/x": 2.5, "mystery": 1, "loss": float("nan")}
+    metrics = {"samples": 3, "baseline_mean": 0.1, "perf/x": 2.5, "mystery": 1, "loss": float("nan"), "value_loss": 0.5}
     scalars = round_scalars(metrics, {"swap": 4})
     assert scalars.keys() == {
         "rollout/samples",
@@ -100,6 +100,7 @@ def test_unknown_and_grouped_names(tmp_path: Path) -> None:
         "perf/x",
         "round/mystery",
         "train/loss",
+        "train/value_loss",
         "time/swap_s",
     }
 
