@@ -198,7 +198,7 @@ async def _start_services(
     )
     await canaries.start()
     stack.push_async_callback(canaries.close)
-    chat = ChatService(serving, tokenizer, log, adapters)
+    chat = ChatService(serving, tokenizer, log, adapters, tool_parser=settings.engine.tool_parser)
     stack.push_async_callback(chat.close)
     state = app.state
     state.chat = chat

@@ -21,10 +21,21 @@ from server.conversation_log import ConversationLog
 from server.detokenizer import decode_text
 from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
 from server.errors import ApiError
-from server.prompt import PromptRenderer
+from server.prompt import PromptRenderer, template_message
 from server.schemas import ChatCompletionRequest
 from server.session_turns import Reply, SessionTurns, Turn
 from server.sse import DONE, event
+from server.tools import (
+    ToolCallParser,
+    ToolOutput,
+    ToolReader,
+    conversation_with_tools,
+    forced_schema,
+    parser_for,
+    renders_tools,
+    tool_call_deltas,
+    tool_calls_json,
+)
 from storage.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
@@ -51,7 +62,9 @@ class ChatCall:
     created_at: float
     log_fields: dict[str, Any]
     route: Route = BASE_ALONE  # resolved once: a swap meanwhile changes the next request
+    tools: ToolReader | None = None  # with tools: reads each choice's text into content and calls
     states: list[ChoiceState] = field(default_factory=list)
+    content_sent: list[int] = field(default_factory=list)  # with tools: content characters streamed per choice
     first_token_at: float | None = None
 
     @property
@@ -114,6 +127,8 @@ class ChatService:
         tokenizer: PreTrainedTokenizerBase,
         log: ConversationLog,
         adapters: AdapterDirectory | None = None,
+        *,
+        tool_parser: str = "auto",
     ) -> None:
         info = engine.model_info()
         self.engine = engine
@@ -125,6 +140,8 @@ class ChatService:
         self.token_text = TokenText(tokenizer)
         self.log = log
         self.adapters = adapters
+        self.tool_parser: ToolCallParser = parser_for(tool_parser, self.renderer.chat_template)
+        self._template_renders_tools = renders_tools(self.renderer.chat_template)
         self._background: set[asyncio.Task[None]] = set()
         self._created = int(time.time())
 
@@ -159,11 +176,19 @@ class ChatService:
         """Validate against the model and render the prompt; raises ApiError for a bad request."""
         started = time.perf_counter()
         self.check_model(request.model)
-        conversation, rendered_ids = await self.renderer.render(request.messages)
+        conversation = [template_message(m) for m in request.messages]
+        template_tools = None
+        if request.tools:
+            conversation, template_tools = conversation_with_tools(
+                conversation, request.tools, template_renders=self._template_renders_tools, parser=self.tool_parser
+            )
+        conversation, rendered_ids = await self.renderer.render_conversation(conversation, template_tools)
         metadata = request.metadata or {}
         session_key = session_header or metadata.get("session_id") or request.user
         prompt_ids = rendered_ids
-        if session_key:
+        # A turn with tools is answered from its own rendering: its reply is read into calls, so the
+        # next turn's history does not hold the reply's text as generated.
+        if session_key and not request.tools:
             spliced = self.turns.splice((identity.tenant_id, session_key), conversation, rendered_ids)
             if spliced is not None and len(spliced) < self.renderer.context_length:
                 prompt_ids = spliced
@@ -181,6 +206,7 @@ class ChatService:
             seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
             ignore_eos=request.ignore_eos,
+            json_schema=forced_schema(request),
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         call = ChatCall(
@@ -197,10 +223,12 @@ class ChatService:
             created_at=time.time(),
             log_fields=log_fields,
             route=self.adapters.resolve(identity.tenant_id, request.user, session_key) if self.adapters else BASE_ALONE,
+            tools=ToolReader(request, self.tool_parser) if request.tools else None,
         )
         call.states = [
             ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
         ]
+        call.content_sent = [0] * request.n
         log_fields.update(
             completion_id=call.id,
             tenant_id=identity.tenant_id,
@@ -244,6 +272,7 @@ class ChatService:
         aborted = next((s for s in call.states if s.aborted), None)
         if aborted is not None:
             raise ApiError(503, f"The engine aborted the request ({aborted.abort_message}); retry it.")
+        outputs = self._tool_outputs(call)
         await self.log.record_completion(self._record(call, "ok"))
         self._remember(call)
         return {
@@ -251,11 +280,11 @@ class ChatService:
             "choices": [
                 {
                     "index": s.index,
-                    "message": {"role": "assistant", "content": s.visible_text, "refusal": None},
+                    "message": _message(output),
                     "logprobs": self._logprobs(call, s, 0, len(s.token_ids)),
-                    "finish_reason": s.finish_reason,
+                    "finish_reason": self._finish_reason(call, s, output),
                 }
-                for s in call.states
+                for s, output in zip(call.states, outputs, strict=True)
             ],
             "usage": self._usage(call),
         }
@@ -303,6 +332,7 @@ class ChatService:
             if aborted is not None:
                 raise EngineError(f"the engine aborted the request ({aborted.abort_message})", 503)
             status = "ok"
+            outputs = self._tool_outputs(call)
             await self.log.record_completion(self._record(call, status))
             self._remember(call)
         except EngineError as exc:
@@ -315,7 +345,15 @@ class ChatService:
             await chunks.aclose()
             if status == "cancelled":  # the client went away mid-stream
                 self._record_later(call, status)
-        closing = [event({**head, "choices": [_delta(s.index, {}, s.finish_reason)]}) for s in call.states]
+        closing = [
+            event({**head, "choices": [_delta(s.index, delta)]})
+            for s, output in zip(call.states, outputs, strict=True)
+            for delta in self._closing_deltas(call, s, output)
+        ]
+        closing += [
+            event({**head, "choices": [_delta(s.index, {}, self._finish_reason(call, s, output))]})
+            for s, output in zip(call.states, outputs, strict=True)
+        ]
         if call.request.include_usage:
             closing.append(event({**head, "choices": [], "usage": self._usage(call)}))
         yield b"".join([*closing, DONE])
@@ -324,10 +362,55 @@ class ChatService:
         state = call.states[index]
         start = len(state.token_ids)
         text = self._add(call, index, chunk)
+        if call.tools is not None:
+            text = self._tool_content(call, state)
         logprobs = self._logprobs(call, state, start, len(state.token_ids)) if chunk.token_ids else None
         if not text and logprobs is None:
             return None
         return event({**head, "choices": [_delta(index, {"content": text}, None, logprobs)]})
+
+    # ---- tool calls ----
+
+    def _tool_content(self, call: ChatCall, state: ChoiceState) -> str:
+        """The content that may be streamed now: text the reader knows is not a tool call."""
+        assert call.tools is not None
+        text = state.visible_text.lstrip()
+        end = call.tools.content_end(text)
+        sent = call.content_sent[state.index]
+        if end <= sent:
+            return ""
+        call.content_sent[state.index] = end
+        return text[sent:end]
+
+    def _tool_outputs(self, call: ChatCall) -> list[ToolOutput]:
+        """Each choice's content and tool calls; the calls are logged beside the raw tokens."""
+        if call.tools is None:
+            return [ToolOutput(s.visible_text, []) for s in call.states]
+        outputs = [call.tools.read(s.visible_text) for s in call.states]
+        for state, output in zip(call.states, outputs, strict=True):
+            if output.calls:
+                logger.info(
+                    "tool calls",
+                    extra={
+                        "completion_id": call.id,
+                        "choice": state.index,
+                        "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in output.calls],
+                    },
+                )
+        return outputs
+
+    def _closing_deltas(self, call: ChatCall, state: ChoiceState, output: ToolOutput) -> list[dict[str, Any]]:
+        """What a tool request's stream still owes a choice at its end: unsent content, then its calls."""
+        if call.tools is None:
+            return []
+        sent = call.content_sent[state.index]
+        content = output.content or ""
+        rest = content[sent:] if content.startswith(state.visible_text.lstrip()[:sent]) else ""
+        return ([{"content": rest}] if rest else []) + tool_call_deltas(output.calls)
+
+    @staticmethod
+    def _finish_reason(call: ChatCall, state: ChoiceState, output: ToolOutput) -> str:
+        return call.tools.finish_reason(output, state.finish_reason) if call.tools else state.finish_reason
 
     # ---- response parts and the log record ----
 
@@ -420,6 +503,13 @@ class ChatService:
     async def close(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _message(output: ToolOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output.content, "refusal": None}
+    if output.calls:
+        message["tool_calls"] = tool_calls_json(output.calls)
+    return message
 
 
 def _delta(

@@ -27,7 +27,7 @@ def _byte_level_decoder() -> dict[str, int]:
     return decoder
 
 
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
+def holdback(text: str, stops: tuple[str, ...]) -> int:
     """How many trailing characters could be the start of a stop string, so must not be sent yet."""
     longest = 0
     for stop in stops:
@@ -122,7 +122,7 @@ class ChoiceState:
             if hits:
                 end, self._cut = min(hits), True
             elif not final:
-                end -= _holdback(text, self._stops)
+                end -= holdback(text, self._stops)
         delta = text[self._sent : end]
         self._sent = max(end, self._sent)
         return delta

@@ -61,15 +61,22 @@ class PromptRenderer:
         """Ids of a conversation that ends with an assistant message (no generation prompt)."""
         return self._render(conversation, generation_prompt=False)
 
-    def _render(self, conversation: list[dict[str, Any]], *, generation_prompt: bool = True) -> list[int]:
+    def _render(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[Any, Any]] | None = None,
+        *,
+        generation_prompt: bool = True,
+    ) -> list[int]:
         try:
-            blob = orjson.dumps(conversation).decode()
+            blob = orjson.dumps([conversation, tools]).decode()
             if self._backend is not None and not any(token in blob for token in self._control):
                 # The common case, no control token typed by the user: render and encode directly,
                 # the same ids as apply_chat_template at a third of its cost.
                 # (texts, generation indices); transformers' annotation says str.
                 rendered: tuple[list[str], Any] = render_jinja_template(  # type: ignore[assignment]
                     conversations=[conversation],
+                    tools=list(tools) if tools else None,
                     chat_template=self._template,
                     add_generation_prompt=generation_prompt,
                     **self._template_vars,
@@ -78,6 +85,7 @@ class PromptRenderer:
                 return encoded
             ids = self.tokenizer.apply_chat_template(
                 conversation,
+                tools=list(tools) if tools else None,
                 add_generation_prompt=generation_prompt,
                 tokenize=True,
                 return_dict=False,
@@ -88,12 +96,19 @@ class PromptRenderer:
             raise ApiError(400, f"The chat template rejected these messages: {exc}", param="messages") from exc
         return list(ids)
 
+    @property
+    def chat_template(self) -> str:
+        return self._template
+
     async def render(self, messages: list[Message]) -> tuple[list[dict[str, Any]], list[int]]:
         """The messages as the template saw them, and the prompt token ids."""
         return await self.render_conversation([template_message(m) for m in messages])
 
-    async def render_conversation(self, conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
-        size = sum(len(m["content"]) for m in conversation)
+    async def render_conversation(
+        self, conversation: list[dict[str, Any]], tools: list[dict[Any, Any]] | None = None
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """``tools``: function tools in OpenAI's form, for a template that renders them."""
+        size = sum(len(m["content"]) for m in conversation) + len(orjson.dumps(tools or []))
         if size > self.max_prompt_chars:
             raise ApiError(
                 400,
@@ -104,9 +119,9 @@ class PromptRenderer:
                 code="context_length_exceeded",
             )
         if size <= _INLINE_CHARS:
-            ids = self._render(conversation)
+            ids = self._render(conversation, tools)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._threads, self._render, conversation)
+            ids = await asyncio.get_running_loop().run_in_executor(self._threads, self._render, conversation, tools)
         if len(ids) >= self.context_length:
             raise ApiError(
                 400,

@@ -7,13 +7,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+import jsonschema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from server.response_models import ErrorResponse
 
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_TOOLS = 128  # OpenAI's limit
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
@@ -122,11 +133,71 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    type: str = Field(description="Only 'text', the default, is supported yet; json_object and json_schema are a 400.")
+def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` itself when it is a valid JSON Schema (by its own ``$schema``, else draft 2020-12)."""
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+    return schema
 
 
-NO_TOOL_CALLS = ("none", "auto")  # without tools, neither changes the output
+JsonSchema = Annotated[dict[str, Any], AfterValidator(check_json_schema)]
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The arguments' schema; a function without one takes an object (OpenAI's default)."""
+        return self.function.parameters if self.function.parameters is not None else {"type": "object"}
+
+
+class ToolChoiceFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(populate_by_name=True)
+    name: FunctionName
+    description: str | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
 class ChatCompletionRequest(_Request):
@@ -162,36 +233,71 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
-    # Accepted only in the forms that change nothing: a request the gateway cannot honour is a 400
-    # naming the field, never a completion that silently ignores it.
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported yet: any tool is a 400.")
-    functions: list[dict[str, Any]] | None = Field(None, description="Not supported yet: any function is a 400.")
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description="Only 'none' or 'auto' (no tools: nothing to call); anything else is a 400."
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(
+        None, description="Default: 'auto' with tools, 'none' without; 'required' and a named function are enforced."
     )
-    function_call: str | dict[str, Any] | None = Field(None, description="As tool_choice.")
-    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}, the default.")
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object and json_schema are enforced by constrained decoding (docs/tools.md)."
+    )
+    # OpenAI's deprecated forms of tools, refused with a pointer to their replacements.
+    functions: list[dict[str, Any]] | None = Field(None, description="Deprecated by OpenAI: a 400; send tools.")
+    function_call: str | dict[str, Any] | None = Field(
+        None, description="Deprecated by OpenAI: a 400; send tool_choice."
+    )
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tool calling is not supported yet")
+    def _no_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and value not in ("none", "auto"):  # without functions these two change nothing
+            replacement = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"{info.field_name} is deprecated and not supported: send {replacement} instead")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tools")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is not None and value not in NO_TOOL_CALLS:
-            raise ValueError(f"tool calling is not supported yet: only {' or '.join(map(repr, NO_TOOL_CALLS))}")
+    def _unique_tool_names(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [tool.function.name for tool in value or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool function names must be unique")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        names = [tool.function.name for tool in info.data.get("tools") or []]
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("'required' or a named function is only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"the function {choice.function.name!r} is not among the tools")
+        return choice
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format type {value.type!r} is not supported yet: only 'text'")
-        return value
+    def _json_without_tools(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        if isinstance(value, TextFormat | None) or not info.data.get("tools") or info.data.get("tool_choice") == "none":
+            return value
+        raise ValueError(
+            "json_object and json_schema cannot be combined with tools yet: send tool_choice 'none', "
+            "or describe the answer as a tool"
+        )
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        """What the model may do with tools: OpenAI's defaults filled in ('none' without tools)."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    @property
+    def json_format(self) -> JsonObjectFormat | JsonSchemaResponseFormat | None:
+        """The response format when it asks for JSON, else None."""
+        return None if isinstance(self.response_format, TextFormat | None) else self.response_format
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

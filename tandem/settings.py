@@ -119,6 +119,10 @@ class EngineSettings(_Group):
         True,
         description="local engine on the CPU: oneDNN-packed weight copies (faster decode, linear weights held twice)",
     )
+    tool_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="how tool calls are read from the model's text; auto: from the chat template (docs/tools.md)",
+    )
 
     @field_validator("urls", mode="before")
     @classmethod

@@ -54,6 +54,8 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0
     ignore_eos: bool = False
+    # A JSON Schema (as text) the output must match, enforced token by token (SGLang's json_schema).
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

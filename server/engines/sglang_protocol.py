@@ -30,6 +30,8 @@ def sampling_to_json(sampling: SamplingParams) -> dict[str, Any]:
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.seed is not None:
         body["sampling_seed"] = sampling.seed
+    if sampling.json_schema is not None:
+        body["json_schema"] = sampling.json_schema
     return body
 
 
@@ -43,6 +45,12 @@ def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
 
 def sampling_from_json(body: dict[str, Any], top_logprobs: int = 0) -> SamplingParams:
     """Parse ``sampling_params``; raises ValueError/TypeError with a readable message on bad input."""
+    for grammar in ("regex", "ebnf", "structural_tag"):
+        if body.get(grammar) is not None:
+            raise ValueError(f"sampling_params.{grammar} is not supported by this engine: send json_schema")
+    schema = body.get("json_schema")
+    if schema is not None and not isinstance(schema, str):
+        raise ValueError("sampling_params.json_schema must be a JSON Schema as a string, as SGLang takes it")
     stop = body.get("stop") or ()
     return SamplingParams(
         max_new_tokens=int(body.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
@@ -54,6 +62,7 @@ def sampling_from_json(body: dict[str, Any], top_logprobs: int = 0) -> SamplingP
         seed=None if body.get("sampling_seed") is None else int(body["sampling_seed"]),
         top_logprobs=top_logprobs,
         ignore_eos=flag(body, "ignore_eos"),
+        json_schema=schema,
     )
 
 

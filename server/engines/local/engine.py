@@ -34,12 +34,14 @@ from transformers import AutoTokenizer, PreTrainedModel
 from server.engines.base import (
     DEFAULT_PRIORITY,
     AdapterRef,
+    EngineError,
     EngineUnavailable,
     ModelInfo,
     PauseMode,
     SamplingParams,
     TokenChunk,
 )
+from server.engines.local.grammar import GrammarError
 from server.engines.local.lora import Adapter, AdapterCache
 from server.engines.local.model_runner import ModelRunner
 from server.engines.local.packed_linear import pack_linears
@@ -150,6 +152,12 @@ class LocalEngine:
     ) -> AsyncIterator[TokenChunk]:
         self._runner.check_prompt(input_ids)
         loaded = await self.load_adapter(adapter) if adapter is not None else None
+        matcher = None
+        if sampling.json_schema is not None:
+            try:  # a new schema compiles in about a millisecond; a cached one is copied
+                matcher = await asyncio.to_thread(self._runner.grammars.matcher, sampling.json_schema)
+            except GrammarError as exc:
+                raise EngineError(str(exc), 400) from exc
         seq = Sequence.create(
             request_id or uuid.uuid4().hex,
             input_ids,
@@ -159,6 +167,7 @@ class LocalEngine:
             self._tokenizer,
             priority,
             adapter=loaded,
+            matcher=matcher,
         )
         with self._cond:
             if self._stopping:

@@ -4,12 +4,14 @@ decode one token for the whole batch, and hand each request the token sampled fo
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from server.engines.base import EngineError, TokenChunk
+from server.engines.local.grammar import GrammarCache, MaskFiller
 from server.engines.local.kv import BatchKV, RowKV
 from server.engines.local.lora import BatchLora
 from server.engines.local.prefix_cache import PrefixCache
@@ -40,6 +42,9 @@ class ModelRunner:
         self._device = next(model.parameters()).device  # inputs go where the weights are (cpu, cuda)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
+        vocab_size = int(model.config.vocab_size)
+        self.grammars = GrammarCache(tokenizer, vocab_size, sorted(self.eos_ids))
+        self._masks = MaskFiller(vocab_size)
 
     def check_prompt(self, input_ids: list[int]) -> None:
         """Refuse a prompt the model cannot take, before it is queued."""
@@ -64,6 +69,7 @@ class ModelRunner:
             seq.cached_tokens = reuse
         cache = kv.to_cache() if kv is not None else DynamicCache(config=self._model.config)
         positions = torch.arange(reuse, len(tokens), device=self._device)
+        allowed = self._masks.start([seq.matcher])
         self._lora.set_rows([seq.adapter])
         out = self._model(
             input_ids=torch.tensor([tokens[reuse:]], device=self._device),
@@ -73,13 +79,14 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._accept([seq], out.logits[:, -1])
+        self._accept([seq], out.logits[:, -1], allowed)
         return RowKV.from_cache(cache)
 
     def decode(self, seqs: list[Sequence], batch: BatchKV) -> None:
         """One token for every row of ``batch`` (row i is ``seqs[i]``) in a single forward."""
         positions = batch.next_positions()
         mask = batch.grow_mask()
+        allowed = self._masks.start([seq.matcher for seq in seqs])  # computed while the forward runs
         self._lora.set_rows([seq.adapter for seq in seqs])
         out = self._model(
             input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs], device=self._device),
@@ -88,10 +95,10 @@ class ModelRunner:
             cache=batch.cache,
             use_cache=True,
         )
-        self._accept(seqs, out.logits[:, -1])
+        self._accept(seqs, out.logits[:, -1], allowed)
 
-    def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        sampled = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, allowed: Future[torch.Tensor | None]) -> None:
+        sampled = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], allowed.result())
         version = self._weight_version()
         outputs = []
         for row, seq in enumerate(seqs):

@@ -37,9 +37,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 GREEDY_BELOW = 1e-5
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Sampled:
-    """Pick one token per row of ``logits`` [batch, vocab]."""
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
+) -> Sampled:
+    """Pick one token per row of ``logits`` [batch, vocab]; ``allowed`` [batch, vocab] (bool), if given,
+    rules out every other token before anything else (a grammar's mask: the logprobs are the
+    constrained distribution's, which is what the tokens were sampled from)."""
     logits = logits.float().cpu()  # [batch, vocab]: small; the per-row generators live on the CPU
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     temperature = torch.tensor([p.temperature for p in params])
     greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]

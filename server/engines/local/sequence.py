@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from server.detokenizer import Decoder, IncrementalDetokenizer
@@ -32,6 +33,7 @@ class Sequence:
     cancelled: bool = False
     priority: int = 0  # admission order only: higher is admitted first, running requests stay
     adapter: Adapter | None = None
+    matcher: llguidance.LLMatcher | None = None  # the JSON schema's grammar state (server.engines.local.grammar)
 
     @classmethod
     def create(
@@ -44,6 +46,7 @@ class Sequence:
         tokenizer: Decoder,
         priority: int = 0,
         adapter: Adapter | None = None,
+        matcher: llguidance.LLMatcher | None = None,
     ) -> Sequence:
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         # Stop strings are matched on text, so only those requests pay for detokenizing.
@@ -61,6 +64,7 @@ class Sequence:
             detokenizer,
             priority=priority,
             adapter=adapter,
+            matcher=matcher,
         )
 
     @property
@@ -77,6 +81,10 @@ class Sequence:
         sampling = self.sampling
         if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in eos_token_ids):
             return Finish("stop", matched=token_id)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+            if self.matcher.is_stopped():  # the JSON is complete: nothing but end-of-sequence may follow
+                return Finish("stop", matched=token_id)
         if self.detokenizer is not None:
             before = len(self.detokenizer.text)
             if self.detokenizer.push([token_id]):
