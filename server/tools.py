@@ -38,6 +38,12 @@ class ToolOutput:
     calls: list[ParsedCall]
 
 
+def _loads(text: str) -> Any:
+    # Grammar engines (SGLang's xgrammar among them) let raw control characters into JSON strings,
+    # which strict JSON forbids: read them, and write them back escaped.
+    return json.loads(text, strict=False)
+
+
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
@@ -89,7 +95,7 @@ class HermesParser:
         calls, end = [], start
         for match in self._BLOCK.finditer(text, start):
             try:
-                call = _call(json.loads(match.group(1)), "arguments")
+                call = _call(_loads(match.group(1)), "arguments")
             except ValueError:
                 call = None
             if call is None:  # not a call after all: the text stays content, as written
@@ -129,7 +135,7 @@ class Llama3JsonParser:
         body = text.strip().removeprefix(self.TAG).lstrip()
         if not body.startswith("{"):
             return ToolOutput(text, [])
-        decoder, calls, position = json.JSONDecoder(), [], 0
+        decoder, calls, position = json.JSONDecoder(strict=False), [], 0
         while position < len(body):
             try:
                 obj, position = decoder.raw_decode(body, position)
@@ -280,10 +286,14 @@ class ToolReader:
         choice = self.choice
         if isinstance(choice, NamedToolChoice):
             # Cut short (finish_reason 'length'), the arguments are partial JSON, as OpenAI sends them.
-            return ToolOutput(None, [ParsedCall(choice.function.name, text.strip())])
+            try:
+                arguments = _arguments_text(_loads(text))
+            except ValueError:
+                arguments = text.strip()
+            return ToolOutput(None, [ParsedCall(choice.function.name, arguments)])
         if choice == "required":
             try:
-                calls = [_call(obj, "arguments") for obj in json.loads(text)]
+                calls = [_call(obj, "arguments") for obj in _loads(text)]
             except (ValueError, TypeError):
                 return ToolOutput(text, [])
             return ToolOutput(None, [c for c in calls if c is not None])

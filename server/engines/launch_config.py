@@ -54,6 +54,7 @@ SGLANG_FLAGS = {
     "--disaggregation-bootstrap-port": "bootstrap_port", "--disaggregation-ib-device": "ib_device",
     "--enable-lora": "lora", "--max-lora-rank": "lora.max_rank", "--lora-target-modules": "lora.target_modules",
     "--max-loras-per-batch": "lora.max_loras_per_batch", "--lora-backend": "lora.backend",
+    "--grammar-backend": "grammar_backend", "--constrained-json-disable-any-whitespace": "grammar_backend",
 }  # fmt: skip
 TANDEM_FLAGS = {"--model": "model_path", "--host": "host", "--port": "base_port", "--weight-version": "weight_version"}
 ROUTER_FLAGS = {
@@ -106,6 +107,9 @@ class GroupConfig(_Strict):
     ib_device: str | None = None
     quantization: str | None = None
     kv_cache_dtype: KvCacheDtype | None = None
+    # What enforces json_schema (tool_choice, response_format). llguidance, as in the local engine:
+    # xgrammar, SGLang's default, let a small model write broken UTF-8 inside JSON strings.
+    grammar_backend: Literal["llguidance", "xgrammar", "outlines", "none"] = "llguidance"
     speculative: SpeculativeConfig | None = None
     max_total_tokens: int | None = Field(default=None, ge=1)
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)

@@ -124,7 +124,7 @@ def _sglang_env(group: GroupConfig) -> dict[str, str]:
 
 def _sglang_argv(group: GroupConfig, index: int, port: int, python: str) -> list[str]:
     argv = [python, "-m", "sglang.launch_server", "--model-path", group.model_path]
-    argv += ["--host", group.host, "--port", str(port), "--tp-size", str(group.tp_size)]
+    argv += ["--host", group.host, "--port", str(port), "--tp-size", str(group.tp_size), *_grammar_args(group)]
     argv += _option("--dp-size", group.dp_size)
     tuning = [
         *_option("--quantization", group.quantization),
@@ -146,6 +146,14 @@ def _sglang_argv(group: GroupConfig, index: int, port: int, python: str) -> list
         *_disaggregation_args(group, index),
         *group.extra_args,
     ]
+
+
+def _grammar_args(group: GroupConfig) -> list[str]:
+    """JSON as the local engine writes it: compact, since with any whitespace allowed a weak model pads
+    the JSON until max_tokens cuts it off."""
+    if group.grammar_backend == "none":
+        return ["--grammar-backend", "none"]
+    return ["--grammar-backend", group.grammar_backend, "--constrained-json-disable-any-whitespace"]
 
 
 def _lora_args(group: GroupConfig) -> list[str]:

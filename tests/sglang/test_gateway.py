@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletion
@@ -168,3 +170,27 @@ async def test_update_weights_from_disk_shows_through_the_gateway(
     restored = ask(client, sglang_gateway.model, question, max_tokens=10)
     assert restored.system_fingerprint == "default"
     assert restored.choices[0].message.content == before.choices[0].message.content
+
+
+def test_forced_tool_calls_and_json_schema_are_enforced_by_sglang(client: OpenAI, sglang_gateway: Gateway) -> None:
+    """SGLang's own json_schema sampling parameter holds the random model to the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "maximum": 9}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    messages: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    common: dict[str, Any] = {"model": sglang_gateway.model, "messages": messages, "max_tokens": 400, "n": 8}
+    required = client.chat.completions.create(tools=tools, tool_choice="required", seed=1, **common)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls", repr(choice.message.content)
+        for call in choice.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    shaped = client.chat.completions.create(response_format=response_format, seed=2, **common)
+    for choice in shaped.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)

@@ -68,7 +68,8 @@ def argv(config: LaunchConfig, index: int = 0) -> list[str]:
     return list(plan(config)[index].argv)
 
 
-BASE = [*SERVER, "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "30000", "--tp-size", "1"]
+GRAMMAR = ["--grammar-backend", "llguidance", "--constrained-json-disable-any-whitespace"]
+BASE = [*SERVER, "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "30000", "--tp-size", "1", *GRAMMAR]
 
 
 # --- exact plans ----------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def test_realistic_gpu_group_argv_and_env() -> None:
         },
     )
     launches = plan(config)
-    tail = ["--tp-size", "2", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--context-length", "32768"]
+    tail = ["--tp-size", "2", *GRAMMAR, "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--context-length", "32768"]
     tail += ["--mem-fraction-static", "0.85", "--served-model-name", "llama", "--weight-version", "v7"]
     tail += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/models/eagle"]
     tail += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
@@ -113,11 +114,11 @@ def test_pd_disaggregated_plan_and_router() -> None:
     config = parse(data | {"gpus": 3})
     launches = plan(config)
     prefill = [*SERVER, "--model-path", "/models/m", "--host", "127.0.0.1", "--port"]
-    pd = ["--tp-size", "1", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"]
+    pd = ["--tp-size", "1", *GRAMMAR, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"]
     assert [launch.argv for launch in launches] == [
         (*prefill, "30000", *pd, "--disaggregation-bootstrap-port", "9000", "--disaggregation-ib-device", "mlx5_0"),
         (*prefill, "30001", *pd, "--disaggregation-bootstrap-port", "9001", "--disaggregation-ib-device", "mlx5_0"),
-        (*prefill, "31000", "--tp-size", "1", "--disaggregation-mode", "decode", *pd[-2:]),
+        (*prefill, "31000", "--tp-size", "1", *GRAMMAR, "--disaggregation-mode", "decode", *pd[-2:]),
     ]
     assert [launch.role for launch in launches] == ["prefill", "prefill", "decode"]
     assert [launch.env for launch in launches] == [{"CUDA_VISIBLE_DEVICES": str(gpu)} for gpu in range(3)]
@@ -243,8 +244,16 @@ def test_option_adds_its_flags(fields: dict[str, Any], flags: list[str]) -> None
 
 
 def test_tp_size_flag_and_default() -> None:
-    assert argv(one(tp_size=4))[len(BASE) - 2 :] == ["--tp-size", "4"]
-    assert argv(one())[len(BASE) - 2 :] == ["--tp-size", "1"]
+    assert argv(one(tp_size=4))[len(BASE) - 5 : len(BASE) - 3] == ["--tp-size", "4"]
+    assert argv(one())[len(BASE) - 5 : len(BASE) - 3] == ["--tp-size", "1"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "flags"),
+    [("xgrammar", ["--grammar-backend", "xgrammar", GRAMMAR[-1]]), ("none", ["--grammar-backend", "none"])],
+)
+def test_grammar_backend(backend: str, flags: list[str]) -> None:
+    assert argv(one(grammar_backend=backend))[len(BASE) - 3 :] == flags
 
 
 def test_model_path_host_and_ports() -> None:
@@ -691,7 +700,8 @@ def test_cli_plan_prints_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert result.output.splitlines() == [
         '# group "g" replica 0 (regular) -> http://127.0.0.1:30000',
         f"CUDA_VISIBLE_DEVICES=0 A='x y' {SGLANG_PY} -m sglang.launch_server --model-path '/models/my model'"
-        " --host 127.0.0.1 --port 30000 --tp-size 1",
+        " --host 127.0.0.1 --port 30000 --tp-size 1 --grammar-backend llguidance"
+        " --constrained-json-disable-any-whitespace",
         "# 1 server(s); the gateway routes over http://127.0.0.1:30000",
     ]
 
