@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from transformers import AutoTokenizer
 
 from server.engines.base import EngineError, EngineUnavailable, SamplingParams
 from server.engines.local.engine import LocalEngine
@@ -82,6 +84,11 @@ async def test_raw_generate_shapes_follow_sglang(engine_url: str) -> None:
         {"input_ids": [1], "sampling_params": {"ignore_eos": "false"}},
         {"input_ids": [1], "stream": "false"},
         {"input_ids": [1], "return_logprob": "no"},
+        # Only json_schema constrains here, and as SGLang takes it: a string.
+        {"input_ids": [1], "sampling_params": {"regex": "[ab]+"}},
+        {"input_ids": [1], "sampling_params": {"ebnf": 'root ::= "a"'}},
+        {"input_ids": [1], "sampling_params": {"json_schema": {"type": "object"}}},
+        {"input_ids": [1], "sampling_params": {"json_schema": '{"type": "nope"}'}},
         [1, 2],
     ],
 )
@@ -89,6 +96,20 @@ async def test_bad_generate_bodies_get_400(engine_url: str, body: object) -> Non
     async with aiohttp.ClientSession() as http, http.post(engine_url + "/generate", json=body) as response:
         assert response.status == 400
         assert (await response.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_json_schema_is_enforced_over_http(client: SGLangClient, tiny_model: Path, stream: bool) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    sampling = SamplingParams(max_new_tokens=64, seed=4, json_schema=json.dumps(schema))
+    result = await collect(client, PROMPT, sampling, stream=stream)
+    text = AutoTokenizer.from_pretrained(tiny_model).decode(result.token_ids)
+    assert set(json.loads(text)) == {"n"} and isinstance(json.loads(text)["n"], int)
 
 
 async def test_client_raises_400_for_bad_prompts(client: SGLangClient) -> None:
