@@ -13,7 +13,10 @@ import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
+from transformers import AutoTokenizer
 
+from learner.collect import feedback_sample
+from storage import collect_feedback
 from tests.server.conftest import Gateway
 
 WEATHER = {
@@ -212,3 +215,28 @@ def test_a_schema_the_grammar_cannot_enforce_is_400(client: OpenAI, gateway: Gat
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
         )
     assert "schema" in str(caught.value)
+
+
+def test_tool_turns_are_training_data_with_the_policys_tokens_only(client: OpenAI, gateway: Gateway) -> None:
+    """A rated tool-call turn trains on the tokens the policy wrote (the call); a rated answer after a
+    tool result has that result in its prompt, which is never trained on."""
+    first = client.chat.completions.create(
+        model=gateway.model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400, seed=21
+    )
+    message = first.choices[0].message
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "TOOL-RESULT-42"} for c in message.tool_calls or []]
+    history = [*ASK, message.model_dump(exclude_none=True), *results]
+    answer = client.chat.completions.create(model=gateway.model, messages=history, tools=TOOLS, max_tokens=8, seed=2)
+    for completion_id in (first.id, answer.id):
+        client.post("/feedback", body={"completion_id": completion_id, "rating": "up"}, cast_to=object)
+    with gateway.sessions()() as session:
+        items = {item.completion_id: item for item in collect_feedback(session, model=gateway.model, since=0).items}
+    tokenizer = AutoTokenizer.from_pretrained(gateway.settings.engine.model)
+    call_turn, answer_turn = feedback_sample(items[first.id]), feedback_sample(items[answer.id])
+    written = tokenizer.decode(call_turn.response_token_ids, skip_special_tokens=True)
+    assert [(c["name"], json.dumps(c["arguments"])) for c in json.loads(written)] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls or []
+    ]
+    assert call_turn.resolved_loss_mask() == [1] * call_turn.response_length
+    assert "TOOL-RESULT-42" in tokenizer.decode(answer_turn.prompt_token_ids)
+    assert "TOOL-RESULT-42" not in tokenizer.decode(answer_turn.response_token_ids)
