@@ -22,7 +22,7 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "maxLength": 10},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "score": {"type": "number"},
+        "score": {"type": "integer", "minimum": -5, "maximum": 99},
         "ok": {"type": "boolean"},
     },
     "required": ["name", "tags", "score", "ok"],
