@@ -403,9 +403,9 @@ class ChatService:
         """What a tool request's stream still owes a choice at its end: unsent content, then its calls."""
         if call.tools is None:
             return []
-        sent = call.content_sent[state.index]
+        sent = state.visible_text.lstrip()[: call.content_sent[state.index]]
         content = output.content or ""
-        rest = content[sent:] if content.startswith(state.visible_text.lstrip()[:sent]) else ""
+        rest = content.removeprefix(sent) if content.startswith(sent) else ""
         return ([{"content": rest}] if rest else []) + tool_call_deltas(output.calls)
 
     @staticmethod
@@ -482,8 +482,9 @@ class ChatService:
         )
 
     def _remember(self, call: ChatCall) -> None:
-        """Keep the turn so the session's next prompt can carry these replies as generated."""
-        if call.session_key:
+        """Keep the turn so the session's next prompt can carry these replies as generated (not a turn
+        with tools: its replies were read into calls, which the next request sends back instead)."""
+        if call.session_key and call.tools is None:
             replies = tuple(Reply(s.visible_text, array("l", s.token_ids)) for s in call.states)
             turn = Turn(call.conversation, array("l", call.prompt_ids), array("l", call.rendered_ids), replies)
             self.turns.remember((call.identity.tenant_id, call.session_key), turn)
