@@ -108,7 +108,7 @@ class PromptRenderer:
         self, conversation: list[dict[str, Any]], tools: list[dict[Any, Any]] | None = None
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """``tools``: function tools in OpenAI's form, for a template that renders them."""
-        size = sum(len(m["content"]) for m in conversation) + len(orjson.dumps(tools or []))
+        size = sum(len(m["content"]) for m in conversation) + (len(orjson.dumps(tools)) if tools else 0)
         if size > self.max_prompt_chars:
             raise ApiError(
                 400,

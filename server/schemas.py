@@ -135,6 +135,8 @@ class StreamOptions(_Request):
 
 def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` itself when it is a valid JSON Schema (by its own ``$schema``, else draft 2020-12)."""
+    if not isinstance(schema.get("$schema", ""), str):
+        raise ValueError("not a valid JSON Schema: $schema must be a URI string")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:

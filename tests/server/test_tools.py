@@ -187,6 +187,10 @@ def test_auto_lets_the_model_answer_in_text(client: OpenAI, gateway: Gateway) ->
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools.0.function.parameters"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minLength": -1}}}}, "response_format.json_schema.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$schema": 5}}}},
+            "response_format.json_schema.json_schema.schema",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
