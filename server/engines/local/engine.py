@@ -236,6 +236,7 @@ class LocalEngine:
             self._stopping = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
+        self._runner.close()
 
     @property
     def in_flight(self) -> int:

@@ -119,6 +119,9 @@ class ModelRunner:
             outputs.append((seq, chunk))
         deliver(outputs)
 
+    def close(self) -> None:
+        self._masks.close()
+
     def remember_prefix(self, seq: Sequence, row: RowKV) -> None:
         """Keep a finished session turn's KV for the session's next turn."""
         if seq.prefix_key and self._prefix.capacity_bytes and seq.finish and seq.finish.type != "abort":
