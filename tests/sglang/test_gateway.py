@@ -176,7 +176,10 @@ def test_forced_tool_calls_and_json_schema_are_enforced_by_sglang(client: OpenAI
     """SGLang's own json_schema sampling parameter holds the random model to the schema."""
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "days": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
         "required": ["city", "days"],
         "additionalProperties": False,
     }
