@@ -95,17 +95,8 @@ def test_realistic_gpu_group_argv_and_env() -> None:
         },
     )
     launches = plan(config)
-    tail = [
-        "--tp-size",
-        "2",
-        *GRAMMAR,
-        "--quantization",
-        "fp8",
-        "--kv-cache-dtype",
-        "fp8_e4m3",
-        "--context-length",
-        "32768",
-    ]
+    tail = ["--tp-size", "2", *GRAMMAR]
+    tail += ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--context-length", "32768"]
     tail += ["--mem-fraction-static", "0.85", "--served-model-name", "llama", "--weight-version", "v7"]
     tail += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/models/eagle"]
     tail += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
@@ -124,15 +115,8 @@ def test_pd_disaggregated_plan_and_router() -> None:
     config = parse(data | {"gpus": 3})
     launches = plan(config)
     prefill = [*SERVER, "--model-path", "/models/m", "--host", "127.0.0.1", "--port"]
-    pd = [
-        "--tp-size",
-        "1",
-        *GRAMMAR,
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-transfer-backend",
-        "mooncake",
-    ]
+    pd = ["--tp-size", "1", *GRAMMAR]
+    pd += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"]
     assert [launch.argv for launch in launches] == [
         (*prefill, "30000", *pd, "--disaggregation-bootstrap-port", "9000", "--disaggregation-ib-device", "mlx5_0"),
         (*prefill, "30001", *pd, "--disaggregation-bootstrap-port", "9001", "--disaggregation-ib-device", "mlx5_0"),
