@@ -6,18 +6,24 @@ cd "$(dirname "$0")/.."
 mode="${1:-runtime}"
 [[ "$mode" == runtime || "$mode" == dev ]] || { echo "usage: setup.sh [runtime|dev]" >&2; exit 2; }
 
-# Headless Chromium for the dashboard's browser tests (tests/admin/test_dashboard.py), from Debian:
-# playwright drives /usr/bin/chromium and never downloads a browser of its own. jq: the docs' shell
-# examples use it, and tests/docs runs them.
-if [[ "$mode" == dev ]] && ! { command -v chromium && command -v jq; } >/dev/null; then
+# bubblewrap: the sandbox of the python tool (tandem/sandbox.py). Headless Chromium for the dashboard's
+# browser tests (tests/admin/test_dashboard.py), from Debian: playwright drives /usr/bin/chromium and
+# never downloads a browser of its own. jq: the docs' shell examples use it, and tests/docs runs them.
+packages=()
+command -v bwrap >/dev/null || packages+=(bubblewrap)
+if [[ "$mode" == dev ]]; then
+  command -v chromium >/dev/null || packages+=(chromium)
+  command -v jq >/dev/null || packages+=(jq)
+fi
+if ((${#packages[@]})); then
   if command -v apt-get >/dev/null; then
     sudo=()
     [[ $EUID -eq 0 ]] || sudo=(sudo)
-    echo "setup: installing chromium and jq (apt-get)" >&2
+    echo "setup: installing ${packages[*]} (apt-get)" >&2
     "${sudo[@]}" apt-get update -qq
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium jq >/dev/null
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
   else
-    echo "setup: no apt-get here; install Chromium and jq for the dashboard and docs tests yourself" >&2
+    echo "setup: no apt-get here; install ${packages[*]} yourself (the sandbox, the dashboard and docs tests)" >&2
   fi
 fi
 
