@@ -18,7 +18,7 @@ import inspect
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 import jsonschema
 from pydantic import create_model
@@ -74,10 +74,11 @@ def tool(
 def schema_from_hints(function: Callable[..., Any]) -> dict[str, Any]:
     """The parameters' JSON Schema from the signature: annotated types, defaults make a field optional."""
     fields: dict[str, Any] = {}
+    hints = get_type_hints(function)  # resolves string annotations (``from __future__ import annotations``)
     for parameter in inspect.signature(function).parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             raise ToolError(f"tool {function.__name__!r}: *args and **kwargs cannot be described as JSON")
-        annotation = Any if parameter.annotation is parameter.empty else parameter.annotation
+        annotation = hints.get(parameter.name, Any)
         default = ... if parameter.default is parameter.empty else parameter.default
         fields[parameter.name] = (annotation, default)
     model = create_model(f"{function.__name__}_arguments", **fields)
