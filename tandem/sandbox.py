@@ -20,11 +20,9 @@ import asyncio
 import contextlib
 import os
 import random
-import resource
 import shutil
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,13 +91,14 @@ class Sandbox:
     """At most ``slots`` executions at once; as root, each runs as a uid of its own."""
 
     def __init__(self, limits: SandboxLimits | None = None, *, slots: int = 4, python: str | None = None) -> None:
-        bwrap = shutil.which("bwrap")
-        if bwrap is None:
+        bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+        if bwrap is None or prlimit is None:
             raise SandboxUnavailable(
-                "bubblewrap (bwrap) is not installed: run scripts/setup.sh, or apt-get install bubblewrap"
+                "bubblewrap (bwrap) or prlimit (util-linux) is not installed: run scripts/setup.sh, "
+                "or apt-get install bubblewrap util-linux"
             )
         self.limits = limits or SandboxLimits()
-        self._bwrap = bwrap
+        self._bwrap, self._prlimit = bwrap, prlimit
         self._python = python or sandbox_python()
         self._slots = asyncio.Semaphore(slots)
         self._random = random.SystemRandom()
@@ -132,14 +131,18 @@ class Sandbox:
     async def _run(self, code: str, uid: int) -> ExecutionResult:
         limits = self.limits
         started = time.perf_counter()
+        as_root = os.geteuid() == 0
+        own_uid = {"user": uid, "group": uid, "extra_groups": []} if as_root else {}
         try:
             process = await asyncio.create_subprocess_exec(
+                self._prlimit,
+                *_rlimits(limits, processes=as_root),
                 *self.argv(code),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=_confine(limits, uid),
                 start_new_session=True,  # its own process group: killed as one
+                **own_uid,  # type: ignore[arg-type]
             )
         except OSError as exc:
             raise SandboxUnavailable(f"the sandbox could not start: {exc}") from exc
@@ -179,24 +182,21 @@ def _reason(code: int | None, exited: bool, over: bool, stderr: str) -> EndReaso
     return "memory_limit" if "MemoryError" in stderr else "error"
 
 
-def _confine(limits: SandboxLimits, uid: int) -> Callable[[], None]:
-    """What the child runs before ``exec bwrap``: the rlimits, and (as root) the execution's uid."""
-
-    def confine() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.disk_bytes, limits.disk_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.geteuid() == 0:
-            # RLIMIT_NPROC counts every process and thread of the real uid and never binds root: a uid
-            # of its own makes it this execution's count. (Under another user it would count the
-            # gateway's threads too, so there only the PID namespace and the wall clock bound forks.)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-
-    return confine
+def _rlimits(limits: SandboxLimits, *, processes: bool) -> list[str]:
+    """``prlimit`` (util-linux) sets the limits and then runs bwrap: no Python runs between fork and
+    exec (a ``preexec_fn`` could deadlock in a process with threads)."""
+    args = [
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU at the soft limit, SIGKILL a second later
+        f"--as={limits.memory_bytes}",
+        f"--fsize={limits.disk_bytes}",
+        "--core=0",
+    ]
+    # RLIMIT_NPROC counts every process and thread of the real uid and never binds root: it is set only
+    # where the execution has a uid of its own (as root). Under another user it would count the
+    # gateway's threads too, so there the PID namespace and the CPU and wall-clock limits bound forks.
+    if processes:
+        args.append(f"--nproc={limits.processes}")
+    return [*args, "--"]
 
 
 async def _clear_uid(uid: int) -> None:
