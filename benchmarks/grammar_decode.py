@@ -32,7 +32,8 @@ from server.engines.base import SamplingParams
 from server.engines.local.engine import LocalEngine
 from server.engines.local.grammar import GrammarCache
 from server.schemas import ChatCompletionRequest
-from server.tools import PARSERS, conversation_with_tools, forced_schema
+from server.tools import forced_schema
+from tandem.tool_calls import PARSERS, conversation_with_tools
 
 CALL = {
     "type": "object",
@@ -88,11 +89,8 @@ async def first_token_ms(engine: LocalEngine, prompt: list[int]) -> float:
 
 
 def tool_prompt(tokenizer: Any, question: str) -> list[int]:
-    request = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": question}], "tools": TOOLS}
-    )
     conversation, _ = conversation_with_tools(
-        [{"role": "user", "content": question}], request.tools or [], template_renders=False, parser=PARSERS["hermes"]
+        [{"role": "user", "content": question}], TOOLS, template_renders=False, parser=PARSERS["hermes"]
     )
     return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False))
 

@@ -25,18 +25,9 @@ from server.prompt import PromptRenderer, template_message
 from server.schemas import ChatCompletionRequest
 from server.session_turns import Reply, SessionTurns, Turn
 from server.sse import DONE, event
-from server.tools import (
-    ToolCallParser,
-    ToolOutput,
-    ToolReader,
-    conversation_with_tools,
-    forced_schema,
-    parser_for,
-    renders_tools,
-    tool_call_deltas,
-    tool_calls_json,
-)
+from server.tools import ToolReader, forced_schema, tool_call_deltas, tool_calls_json
 from storage.records import CompletionRecord
+from tandem.tool_calls import ToolCallParser, ToolOutput, conversation_with_tools, parser_for, renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +171,10 @@ class ChatService:
         template_tools = None
         if request.tools:
             conversation, template_tools = conversation_with_tools(
-                conversation, request.tools, template_renders=self._template_renders_tools, parser=self.tool_parser
+                conversation,
+                [tool.model_dump(exclude_none=True) for tool in request.tools],
+                template_renders=self._template_renders_tools,
+                parser=self.tool_parser,
             )
         conversation, rendered_ids = await self.renderer.render_conversation(conversation, template_tools)
         metadata = request.metadata or {}

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from server.detokenizer import IncrementalDetokenizer, decode_text
 from server.engines.base import Finish, TokenChunk
 from storage.records import ChoiceRecord, WeightSpan
+from tandem.text import holdback
 
 # orjson writes -inf as null; OpenAI clients expect a number.
 _MIN_LOGPROB = -9999.0
@@ -25,17 +26,6 @@ def _byte_level_decoder() -> dict[str, int]:
             decoder[chr(256 + shifted)] = b
             shifted += 1
     return decoder
-
-
-def holdback(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters could be the start of a stop string, so must not be sent yet."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
 
 
 class ChoiceState:

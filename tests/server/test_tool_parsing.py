@@ -11,18 +11,16 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.schemas import ChatCompletionRequest
-from server.tools import (
-    MAX_PARALLEL_CALLS,
+from server.tools import MAX_PARALLEL_CALLS, ToolReader, forced_schema, tool_call_deltas
+from tandem.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     ParsedCall,
     ToolOutput,
-    ToolReader,
     conversation_with_tools,
-    forced_schema,
     parser_for,
+    read_call_list,
     renders_tools,
-    tool_call_deltas,
 )
 
 hermes, llama = HermesParser(), Llama3JsonParser()
@@ -136,8 +134,7 @@ HISTORY = [
 
 
 def test_a_template_that_renders_tools_gets_them_and_argument_objects() -> None:
-    tools = request(tools=TOOLS).tools or []
-    conversation, template_tools = conversation_with_tools(HISTORY, tools, template_renders=True, parser=hermes)
+    conversation, template_tools = conversation_with_tools(HISTORY, TOOLS, template_renders=True, parser=hermes)
     assert template_tools is not None and [t["function"]["name"] for t in template_tools] == ["get_weather", "get_time"]
     assert conversation[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
     text = render_jinja_template([conversation], tools=template_tools, chat_template=QWEN_TEMPLATE)[0][0]
@@ -145,8 +142,7 @@ def test_a_template_that_renders_tools_gets_them_and_argument_objects() -> None:
 
 
 def test_other_templates_get_the_default_rendering() -> None:
-    tools = request(tools=TOOLS).tools or []
-    conversation, template_tools = conversation_with_tools(HISTORY, tools, template_renders=False, parser=hermes)
+    conversation, template_tools = conversation_with_tools(HISTORY, TOOLS, template_renders=False, parser=hermes)
     assert template_tools is None
     system = conversation[0]
     assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n")
@@ -157,7 +153,7 @@ def test_other_templates_get_the_default_rendering() -> None:
     }
     assert conversation[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
     # Without a system message, one is added; Llama 3's format teaches its own form.
-    llama_conv, _ = conversation_with_tools(HISTORY[1:], tools, template_renders=False, parser=llama)
+    llama_conv, _ = conversation_with_tools(HISTORY[1:], TOOLS, template_renders=False, parser=llama)
     assert llama_conv[0]["role"] == "system" and '"parameters"' in llama_conv[0]["content"]
     assert llama_conv[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Rome"}}'
 
@@ -192,7 +188,9 @@ def test_reading_forced_output() -> None:
     assert output.calls == [ParsedCall("get_weather", '{"city": "a\\tb"}')]
     assert required.finish_reason(output, "stop") == "tool_calls"
     assert required.finish_reason(required.read("[{"), "length") == "length"
-    assert required.content_end("[{") == 0 and not required.streams_content
+    assert required.content_end("[{") == 0
+    assert read_call_list('[{"name": "a", "arguments": {}}, {"arguments": {}}]') is None  # an item that is no call
+    assert read_call_list('{"name": "a", "arguments": {}}') is None  # not a list
 
 
 def test_stream_deltas_carry_id_and_name_first() -> None:
