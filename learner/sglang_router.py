@@ -9,7 +9,7 @@ sequences). ``sglang_router`` serves the first on a loopback port while a round'
 turns each request into the second, one sample each; the plugins need no key.
 
 What the gateway cannot do is refused with SGLang's 400 and a message saying so (streaming,
-``n`` > 1, constrained decoding, stop token ids, batched prompts).
+``n`` > 1, constraints other than ``json_schema``, stop token ids, batched prompts).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["RouterRefusal", "generate_answer", "rollout_body", "sglang_router"]
 log = logging.getLogger(__name__)
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's when sampling_params leave it out
-_UNSERVED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_token_ids", "logit_bias", "custom_params")
+_UNSERVED = ("regex", "ebnf", "structural_tag", "stop_token_ids", "logit_bias", "custom_params")
 
 
 class RouterRefusal(ValueError):
@@ -73,6 +73,8 @@ def rollout_body(body: Any, routing_key: str | None) -> dict[str, Any]:
         request["stop"] = params["stop"]
     if params.get("sampling_seed") is not None:
         request["seed"] = params["sampling_seed"]
+    if params.get("json_schema") is not None:
+        request["json_schema"] = params["json_schema"]
     if routing_key:
         request["session_id"] = routing_key  # slime's consistent-hashing key: same replica, warm cache
     return request

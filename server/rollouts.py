@@ -10,11 +10,12 @@ conversations: nothing here is logged, and no session turn is remembered.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from server.cache_scope import cache_salt, engine_session_key
@@ -22,7 +23,7 @@ from server.choice import ChoiceState
 from server.engines.base import ROLLOUT_PRIORITY, Engine, SamplingParams
 from server.errors import ApiError
 from server.prompt import PromptRenderer, template_message
-from server.schemas import INT64_MAX, INT64_MIN, Message, StopSequences
+from server.schemas import INT64_MAX, INT64_MIN, Message, StopSequences, check_json_schema
 from tandem.aio import gather_or_cancel
 
 __all__ = ["MAX_ROLLOUT_N", "RolloutRequest", "RolloutService"]
@@ -53,6 +54,19 @@ class RolloutRequest(BaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
     stop: StopSequences = None
     session_id: str | None = Field(None, max_length=256, description="routes like the user's session (cache reuse)")
+    json_schema: str | None = Field(
+        None, max_length=1 << 20, description="a JSON Schema (as text) the output must match, as SGLang's /generate"
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_json(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                check_json_schema(json.loads(value))
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"json_schema: {exc}") from None
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
@@ -99,6 +113,7 @@ class RolloutService:
             top_p=request.top_p,
             top_k=request.top_k if request.top_k > 0 else -1,
             stop=request.stop_list,
+            json_schema=request.json_schema,
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         started = time.perf_counter()

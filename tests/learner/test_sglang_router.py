@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,8 @@ def test_the_routing_key_becomes_the_session(router: str) -> None:
         ({"input_ids": [1], "stream": True}, "stream is not served"),
         ({"input_ids": [1], "sampling_params": {"n": 2}}, "n != 1"),
         (
-            {"input_ids": [1], "sampling_params": {"json_schema": "{}", "stop_token_ids": [2]}},
-            "json_schema, stop_token_ids",
+            {"input_ids": [1], "sampling_params": {"regex": "a+", "stop_token_ids": [2]}},
+            "regex, stop_token_ids",
         ),
     ],
 )
@@ -80,6 +81,17 @@ def test_what_the_gateway_cannot_serve_is_refused_clearly(router: str, body: Any
     assert response.status_code == 400 and says in response.json()["error"]["message"]
     with pytest.raises(RouterRefusal, match=says.replace("(", r"\(")):
         rollout_body(body, None)
+
+
+def test_json_schema_constrains_the_rollout(router: str, tiny_model: Path) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    closed = schema | {"required": ["n"], "additionalProperties": False}
+    params = {"max_new_tokens": 40, "sampling_seed": 5, "json_schema": json.dumps(closed)}
+    answer = generate(router, {"input_ids": [1, 2, 3], "sampling_params": params, "return_logprob": True}).json()
+    text = AutoTokenizer.from_pretrained(tiny_model).decode(answer["output_ids"])
+    assert list(json.loads(text)) == ["n"] and answer["meta_info"]["finish_reason"]["type"] == "stop"
+    bad = generate(router, {"input_ids": [1], "sampling_params": {"json_schema": '{"type": "nope"}'}})
+    assert bad.status_code == 400 and "json_schema" in bad.json()["error"]["message"]
 
 
 def test_gateway_refusals_and_other_paths_pass_through(router: str) -> None:
