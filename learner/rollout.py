@@ -455,12 +455,13 @@ def _fresh(prompt: Sample, group_index: int, choice_index: int, temperature: flo
 
 
 @functools.cache
-def _tokenizer(checkpoint: str) -> PreTrainedTokenizerBase:
+def checkpoint_tokenizer(checkpoint: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checkpoint folder, loaded once per process."""
     return AutoTokenizer.from_pretrained(checkpoint)
 
 
 def _prompt_text(checkpoint: str, ids: tuple[int, ...]) -> str:
-    return str(_tokenizer(checkpoint).decode(list(ids)))
+    return str(checkpoint_tokenizer(checkpoint).decode(list(ids)))
 
 
 class PromptSource(list[Sample]):

@@ -150,13 +150,23 @@ async def _invoke(function: Callable[..., Any], values: dict[str, Any]) -> Any:
     return await asyncio.to_thread(function, **values)
 
 
-def python_tool(sandbox: Sandbox) -> Tool:
-    """The built-in ``python`` tool: the code runs in ``sandbox``; its output is the result."""
+MAX_CODE_CHARS = 16_000
+
+
+def python_tool(sandbox: Sandbox, *, max_code_chars: int = MAX_CODE_CHARS) -> Tool:
+    """The built-in ``python`` tool: the code (at most ``max_code_chars``) runs in ``sandbox``; its
+    output is the result."""
 
     async def python(code: str) -> str:
         """Run Python code (standard library only, no network, no files but its own) and return what
         it prints. Print what you want to see."""
         return (await sandbox.run_python(code)).as_tool_result()
 
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "maxLength": max_code_chars, "description": "Python source"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
     # The sandbox enforces its own wall clock; the registry's timeout is only a backstop.
-    return tool(python, timeout_s=sandbox.limits.wall_s + 5)  # type: ignore[no-any-return]
+    return tool(python, parameters=parameters, timeout_s=sandbox.limits.wall_s + 5)  # type: ignore[no-any-return]

@@ -1,0 +1,128 @@
+"""Multi-turn tool rollouts on the tiny model through a live gateway's router: the policy's tokens
+carry loss and their log-probs, the tool results and template glue carry none, and what the engine
+saw is exactly the token ids kept (token in, token out)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from learner.sample import Sample
+from learner.sglang_router import sglang_router
+from learner.tool_rollout import ToolRollout
+from tandem.sandbox import Sandbox, SandboxLimits
+from tandem.tool_calls import PARSERS, conversation_with_tools
+from tandem.tool_registry import ToolRegistry, python_tool, tool
+from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway, tiny_model
+from tests.server.engines.helpers import reference_logprobs
+
+__all__ = ["tiny_model"]  # the shared fixture, visible here
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+SAMPLING = {"temperature": 1.0, "max_new_tokens": 200, "sampling_seed": 11}
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+ADD = tool(
+    add,
+    parameters={
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def args(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    settings = gateway_settings(tmp_path_factory.mktemp("tool-rollout"), tiny_model, admin_key=ADMIN_KEY)
+    gateway: Gateway
+    with run_gateway(settings) as gateway, sglang_router(gateway.url, ADMIN_KEY, timeout=120) as (ip, port):
+        yield SimpleNamespace(hf_checkpoint=str(tiny_model), sglang_router_ip=ip, sglang_router_port=port)
+
+
+def rollout(args: SimpleNamespace, tools: ToolRegistry, seed: int = 11) -> Sample:
+    sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
+    runner = ToolRollout(tools, max_turns=2, first_turn="required")
+    return asyncio.run(runner.generate(args, sample, {**SAMPLING, "sampling_seed": seed}))
+
+
+def runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(value, length) of each run of equal values."""
+    out: list[tuple[int, int]] = []
+    for value in mask:
+        if out and out[-1][0] == value:
+            out[-1] = (value, out[-1][1] + 1)
+        else:
+            out.append((value, 1))
+    return out
+
+
+def test_masks_log_probs_and_tokens_of_a_tool_turn_are_exact(args: SimpleNamespace, tiny_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    sample = rollout(args, ToolRegistry([ADD]))
+    tools = [ADD.openai()]
+    conversation, _ = conversation_with_tools(QUESTION, tools, template_renders=False, parser=PARSERS["hermes"])
+    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
+    assert sample.prompt_token_ids == prompt  # the tools are in the prompt, as the chat API shows them
+
+    (call_turn, first), (glue_mask, glue_length), (answer_mask, answer) = runs(sample.resolved_loss_mask())
+    assert (call_turn, glue_mask, answer_mask) == (1, 0, 1)
+    response = sample.response_token_ids
+    calls = json.loads(tokenizer.decode(response[:first]))
+    assert [c["name"] for c in calls] == ["add"] * len(calls) and sample.metadata["tool_calls"] == len(calls)
+    results = [str(c["arguments"]["a"] + c["arguments"]["b"]) for c in calls]
+    # The glue: the end of the assistant turn (the constrained turn ends without it), the results as
+    # the template shows tool responses, the next assistant header; tokenised, never the policy's.
+    glue = tokenizer.decode(response[first : first + glue_length])
+    expected = "<|im_end|>\n" + "".join(
+        f"<|im_start|>user\n<tool_response>\n{r}\n</tool_response><|im_end|>\n" for r in results
+    )
+    assert glue == expected + "<|im_start|>assistant\n"
+    log_probs = sample.rollout_log_probs or []
+    assert all(lp == 0.0 for lp in log_probs[first : first + glue_length])
+    assert all(lp <= 0.0 for lp in log_probs) and any(lp < 0.0 for lp in log_probs[:first])
+    # The free answer was sampled from exactly these tokens: its log-probs are the model's given them.
+    start = first + glue_length
+    reference = reference_logprobs(tiny_model, sample.tokens[: len(prompt) + start], response[start:])
+    assert max(abs(a - b) for a, b in zip(log_probs[start:], reference, strict=True)) < 1e-3
+    assert len(response) == first + glue_length + answer
+    messages = sample.metadata["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", *["tool"] * len(calls), "assistant"]
+    assert [m["content"] for m in messages if m["role"] == "tool"] == results
+
+
+def test_the_python_tool_runs_in_the_sandbox(args: SimpleNamespace, tiny_model: Path) -> None:
+    sandbox = Sandbox(SandboxLimits(wall_s=60))
+    # Short code, so that the random model's string ends within the turn's tokens.
+    sample = rollout(args, ToolRegistry([python_tool(sandbox, max_code_chars=24)]), seed=3)
+    tool_messages = [m for m in sample.metadata["messages"] if m["role"] == "tool"]
+    assert tool_messages and sample.metadata["tool_calls"] == len(tool_messages)
+    # The random model's code does not run cleanly; the sandbox's report of it is the tool result.
+    assert all("[" in m["content"] for m in tool_messages), tool_messages
+    glue = AutoTokenizer.from_pretrained(tiny_model).decode(
+        [t for t, m in zip(sample.response_token_ids, sample.resolved_loss_mask(), strict=True) if m == 0]
+    )
+    assert all(m["content"] in glue for m in tool_messages)
+
+
+def test_without_calls_the_rollout_is_one_turn(args: SimpleNamespace) -> None:
+    sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
+    runner = ToolRollout(ToolRegistry([ADD]), max_turns=3)  # auto: the random model writes no <tool_call>
+    done = asyncio.run(runner.generate(args, sample, {**SAMPLING, "max_new_tokens": 12}))
+    assert set(done.resolved_loss_mask()) == {1} and done.metadata["tool_calls"] == 0
+    assert [m["role"] for m in done.metadata["messages"]] == ["user", "assistant"]
