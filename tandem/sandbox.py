@@ -23,6 +23,7 @@ import random
 import shutil
 import signal
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,7 +101,12 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self._bwrap, self._prlimit = bwrap, prlimit
         self._python = python or sandbox_python()
-        self._slots = asyncio.Semaphore(slots)
+        self._slot_count = slots
+        # One bound per event loop: a Sandbox kept across asyncio.run calls (one per learner round)
+        # must not reuse a semaphore bound to a loop that is gone.
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
         self._random = random.SystemRandom()
 
     def argv(self, code: str) -> list[str]:
@@ -120,7 +126,11 @@ class Sandbox:
         ]
 
     async def run_python(self, code: str) -> ExecutionResult:
-        async with self._slots:
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = asyncio.Semaphore(self._slot_count)
+        async with slots:
             uid = SLOT_UID_BASE + self._random.randrange(UID_COUNT)
             try:
                 return await self._run(code, uid)

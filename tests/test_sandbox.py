@@ -180,3 +180,13 @@ def test_executions_queue_for_a_free_slot(slots: int) -> None:
         return list(await asyncio.gather(*(sandbox.run_python(f"print({i})") for i in range(6))))
 
     assert [r.stdout for r in asyncio.run(many())] == [f"{i}\n" for i in range(6)]
+
+
+def test_one_sandbox_serves_one_event_loop_after_another() -> None:
+    sandbox = Sandbox(SandboxLimits(wall_s=60), slots=1)
+
+    async def two() -> list[ExecutionResult]:  # two at once on one slot: the second waits
+        return list(await asyncio.gather(sandbox.run_python("print(1)"), sandbox.run_python("print(2)")))
+
+    for _ in range(2):  # a learner round is one asyncio.run; the next round is another loop
+        assert [r.stdout for r in asyncio.run(two())] == ["1\n", "2\n"]
