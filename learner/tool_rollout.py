@@ -32,6 +32,7 @@ from tandem.sandbox import Sandbox
 from tandem.tool_calls import (
     ParsedCall,
     ToolCallParser,
+    calls_schema,
     conversation_with_tools,
     parser_for,
     read_call_list,
@@ -39,6 +40,7 @@ from tandem.tool_calls import (
 )
 from tandem.tool_registry import ToolRegistry, python_tool
 
+MAX_FIRST_CALLS = 4  # calls a constrained first turn may hold
 MARKER = "\ue000"  # a private-use character: where the assistant's turn sits in a rendered template
 
 
@@ -72,7 +74,7 @@ class ToolRollout:
             params = {**sampling_params, "max_new_tokens": budget - sample.response_length}
             forced = turn == 0 and self.first_turn == "required"
             if forced:
-                params["json_schema"] = json.dumps(_calls_schema(tools))
+                params["json_schema"] = json.dumps(calls_schema(tools, MAX_FIRST_CALLS))
             output = await _post(url, {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True})
             finish = output["meta_info"]["finish_reason"]["type"]
             if finish == "abort":
@@ -121,19 +123,6 @@ def _messages(sample: Sample) -> list[dict[str, Any]]:
     if isinstance(sample.prompt, list):
         return list(sample.prompt)
     return [{"role": "user", "content": str(sample.prompt)}]
-
-
-def _calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": 4}
 
 
 def _turn_messages(turn: int, calls: list[ParsedCall], results: list[str]) -> list[dict[str, Any]]:

@@ -17,19 +17,17 @@ import json
 import uuid
 from typing import Any
 
-from server.schemas import ChatCompletionRequest, FunctionTool, JsonObjectFormat, NamedToolChoice
-from tandem.tool_calls import ParsedCall, ToolCallParser, ToolOutput, read_call_list, read_json_arguments
+from server.schemas import ChatCompletionRequest, JsonObjectFormat, NamedToolChoice
+from tandem.tool_calls import (
+    ParsedCall,
+    ToolCallParser,
+    ToolOutput,
+    calls_schema,
+    read_call_list,
+    read_json_arguments,
+)
 
 MAX_PARALLEL_CALLS = 8  # the most calls one forced turn may hold (a bound keeps the grammar finite)
-
-
-def _call_schema(tool: FunctionTool) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
 
 
 def forced_schema(request: ChatCompletionRequest) -> str | None:
@@ -44,9 +42,8 @@ def forced_schema(request: ChatCompletionRequest) -> str | None:
         tool = next(t for t in request.tools or [] if t.function.name == choice.function.name)
         schema: dict[str, Any] = tool.parameters
     elif choice == "required":
-        calls = [_call_schema(t) for t in request.tools or []]
-        most = MAX_PARALLEL_CALLS if request.parallel_tool_calls else 1
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": most}
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        schema = calls_schema(tools, MAX_PARALLEL_CALLS if request.parallel_tool_calls else 1)
     elif isinstance(request.json_format, JsonObjectFormat):
         schema = {"type": "object"}
     elif request.json_format is not None:

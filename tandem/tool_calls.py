@@ -163,6 +163,24 @@ class Llama3JsonParser:
 PARSERS: dict[ParserName, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
 
 
+def calls_schema(tools: list[dict[str, Any]], most: int) -> dict[str, Any]:
+    """The JSON Schema of 1 to ``most`` calls of ``tools``, ``[{"name", "arguments"}, ...]``: what a
+    constrained call turn writes and ``read_call_list`` reads."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},  # OpenAI's default
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": most}
+
+
 def read_call_list(text: str) -> list[ParsedCall] | None:
     """The calls of a constrained ``[{"name", "arguments"}, ...]`` output; None if it is not one."""
     try:
