@@ -71,6 +71,9 @@ class ToolRollout:
         url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
         history, ran = list(messages), 0
         for turn in range(self.max_turns):
+            if sample.response_length >= budget:  # the tool results used up what was left
+                sample.status = SampleStatus.TRUNCATED
+                break
             params = {**sampling_params, "max_new_tokens": budget - sample.response_length}
             forced = turn == 0 and self.first_turn == "required"
             if forced:
@@ -90,7 +93,7 @@ class ToolRollout:
                 text=output["text"],
             )
             calls = (read_call_list(output["text"]) or []) if forced else parser.parse(output["text"]).calls
-            if not calls or finish == "length" or budget - sample.response_length <= 0:
+            if not calls or finish == "length":
                 history.append({"role": "assistant", "content": output["text"]})
                 break
             results = [await self.tools.call(call.name, call.arguments) for call in calls]
@@ -107,12 +110,17 @@ class ToolRollout:
         return sample
 
 
+class ToolRolloutError(RuntimeError):
+    """The router refused a turn (the message is its answer)."""
+
+
 async def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
         response = await client.post(url, json=body)
-        response.raise_for_status()
-        answer: dict[str, Any] = response.json()
-        return answer
+    if response.status_code != 200:
+        raise ToolRolloutError(f"/generate answered {response.status_code}: {response.text[:500]}")
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def _messages(sample: Sample) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from sqlalchemy import make_url
 from tandem.commands.db import db_app
 from tandem.commands.engines import engines_app
 from tandem.commands.export import export_command
+from tandem.commands.generate import generate_command
 from tandem.commands.keys import keys_app
 from tandem.commands.learn import learn_command
 from tandem.commands.replay import replay_command
@@ -28,6 +29,7 @@ app.add_typer(engines_app, name="engines", help="Managed engine groups: validate
 app.command("learn")(learn_command)
 app.command("replay")(replay_command)
 app.command("export")(export_command)
+app.command("generate")(generate_command)
 app.command("worker")(worker_command)
 app.command("beat")(beat_command)
 
