@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["RouterRefusal", "generate_answer", "rollout_body", "sglang_router"]
+__all__ = ["GenerateError", "RouterRefusal", "generate_answer", "post_generate", "rollout_body", "sglang_router"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,22 @@ _UNSERVED = ("regex", "ebnf", "structural_tag", "stop_token_ids", "logit_bias", 
 
 class RouterRefusal(ValueError):
     """A /generate request the gateway cannot serve (answered 400 with this message)."""
+
+
+class GenerateError(RuntimeError):
+    """The router refused a ``/generate`` call (the message is its answer)."""
+
+
+async def post_generate(args: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """One SGLang ``/generate`` call through the router named by ``args`` (tandem's own generate
+    functions: tool rollouts, workflows), answered as SGLang answers it."""
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+        response = await client.post(url, json=body)
+    if response.status_code != 200:
+        raise GenerateError(f"/generate answered {response.status_code}: {response.text[:500]}")
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def rollout_body(body: Any, routing_key: str | None) -> dict[str, Any]:

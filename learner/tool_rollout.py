@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
 from transformers import PreTrainedTokenizerBase
 
 from learner.rollout import checkpoint_tokenizer
 from learner.sample import Sample, SampleStatus
+from learner.sglang_router import post_generate
 from tandem.sandbox import Sandbox
 from tandem.tool_calls import (
     ParsedCall,
@@ -68,7 +68,6 @@ class ToolRollout:
         )
         sample.tokens = list(prompt)
         budget = int(sampling_params.get("max_new_tokens", 128))
-        url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
         history, ran = list(messages), 0
         for turn in range(self.max_turns):
             if sample.response_length >= budget:  # the tool results used up what was left
@@ -78,7 +77,8 @@ class ToolRollout:
             forced = turn == 0 and self.first_turn == "required"
             if forced:
                 params["json_schema"] = json.dumps(calls_schema(tools, MAX_FIRST_CALLS))
-            output = await _post(url, {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True})
+            body = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+            output = await post_generate(args, body)
             finish = output["meta_info"]["finish_reason"]["type"]
             if finish == "abort":
                 sample.status = SampleStatus.ABORTED
@@ -108,19 +108,6 @@ class ToolRollout:
             sample.status = SampleStatus.TRUNCATED  # out of turns while still calling tools
         sample.metadata = {**sample.metadata, "messages": history, "tool_calls": ran}
         return sample
-
-
-class ToolRolloutError(RuntimeError):
-    """The router refused a turn (the message is its answer)."""
-
-
-async def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-        response = await client.post(url, json=body)
-    if response.status_code != 200:
-        raise ToolRolloutError(f"/generate answered {response.status_code}: {response.text[:500]}")
-    answer: dict[str, Any] = response.json()
-    return answer
 
 
 def _messages(sample: Sample) -> list[dict[str, Any]]:

@@ -30,10 +30,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from learner.rollout import checkpoint_tokenizer
 from learner.sample import Sample, SampleStatus
+from learner.sglang_router import post_generate
 
 DEFAULT_CONCURRENCY = 4
 
@@ -73,12 +72,8 @@ class Episode:
         prompt: list[int] = tokenizer.apply_chat_template(  # type: ignore[assignment]
             messages, add_generation_prompt=True, return_dict=False
         )
-        url = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}/generate"
         body = {"input_ids": prompt, "sampling_params": {**self.sampling_params, **sampling}, "return_logprob": True}
-        async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-            response = await client.post(url, json=body)
-            response.raise_for_status()
-            output = response.json()
+        output = await post_generate(self.args, body)
         sample = Sample(
             prompt_token_ids=prompt,
             prompt=messages,
