@@ -501,10 +501,8 @@ class ChatService:
 
 
 def _message(output: ToolOutput) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": output.content, "refusal": None}
-    if output.calls:
-        message["tool_calls"] = tool_calls_json(output.calls)
-    return message
+    calls = tool_calls_json(output.calls) if output.calls else None
+    return {"role": "assistant", "content": output.content, "refusal": None, "tool_calls": calls}
 
 
 def _delta(

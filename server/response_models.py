@@ -71,17 +71,29 @@ class ChoiceLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantReply(BaseModel):
     role: Literal["assistant"]
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = Field(description="The calls read from the answer; null without tools")
 
 
 class Choice(BaseModel):
     index: int
     message: AssistantReply
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):

@@ -126,6 +126,24 @@ def test_completion_feedback_log_ratings_and_user_data(api: Api, gateway: Gatewa
     api(Rollouts, "POST", "/admin/rollouts", json=rollout)
 
 
+def test_a_completion_with_tool_calls(api: Api, gateway: Gateway) -> None:
+    parameters = {"type": "object", "properties": {"q": {"enum": ["a", "b"]}}, "required": ["q"]}
+    tool = {
+        "type": "function",
+        "function": {"name": "search", "parameters": parameters | {"additionalProperties": False}},
+    }
+    chat = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": "Search."}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 200,
+    }
+    completion = api(ChatCompletion, "POST", "/v1/chat/completions", key=gateway.keys["acme"], json=chat)
+    assert completion["choices"][0]["finish_reason"] == "tool_calls"
+    assert completion["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "search"
+
+
 def test_tenants_keys_limits_and_audit(api: Api) -> None:
     api(schemas.Tenant, "POST", "/admin/tenants", status=201, json={"id": "schema-co", "name": "Schema Co"})
     assert "schema-co" in {t["id"] for t in api(schemas.TenantList, "GET", "/admin/tenants")["data"]}
