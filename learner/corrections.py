@@ -17,7 +17,7 @@ from typing import Any
 
 from learner.sample import Sample, SampleStatus
 
-__all__ = ["corrected_samples", "corrections_of"]
+__all__ = ["assistant_tokens", "corrected_samples", "corrections_of", "turn_tokenizer"]
 
 log = logging.getLogger("tandem.learner")
 
@@ -27,15 +27,20 @@ def corrections_of(samples: Sequence[Sample], model_dir: Path) -> list[Sample]:
     is a correction)."""
     if not any(_correction(s) for s in samples):
         return []
-    from transformers import AutoTokenizer, GenerationConfig  # heavy: not for rounds without corrections
+    tokenizer, stops = turn_tokenizer(model_dir)
+    return corrected_samples(samples, tokenizer, stop_ids=stops)
+
+
+def turn_tokenizer(model_dir: Path) -> tuple[Any, set[int]]:
+    """The tokenizer of ``model_dir`` and the tokens that end a turn (its generation config's)."""
+    from transformers import AutoTokenizer, GenerationConfig  # heavy: only for rounds that need it
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's end of sequence
         eos = None
-    stops = {eos} if isinstance(eos, int) else set(eos or [])
-    return corrected_samples(samples, tokenizer, stop_ids=stops)
+    return tokenizer, {eos} if isinstance(eos, int) else set(eos or [])
 
 
 def corrected_samples(samples: Sequence[Sample], tokenizer: Any, *, stop_ids: Collection[int] = ()) -> list[Sample]:
@@ -50,7 +55,7 @@ def corrected_samples(samples: Sequence[Sample], tokenizer: Any, *, stop_ids: Co
         if not text:
             continue
         try:
-            response = _assistant_tokens(sample, text, tokenizer, stops)
+            response = assistant_tokens(sample, text, tokenizer, stops)
         except Exception as exc:  # a template or tokenizer error of this one text (jinja2, ValueError, ...)
             log.warning(
                 "corrected answer skipped: it cannot be tokenized",
@@ -84,7 +89,7 @@ def _correction(sample: Sample) -> str:
     return str(feedback.get("corrected_answer") or "").strip()
 
 
-def _assistant_tokens(sample: Sample, text: str, tokenizer: Any, stops: set[int]) -> list[int]:
+def assistant_tokens(sample: Sample, text: str, tokenizer: Any, stops: set[int]) -> list[int]:
     """``text`` as the assistant's turn after ``sample``'s prompt, through the end-of-turn token."""
     prompt = sample.prompt_token_ids
     if isinstance(sample.prompt, list):

@@ -37,7 +37,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from learner.collect import feedback_samples, learnable
-from learner.corrections import corrections_of
+from learner.corrections import corrections_of, turn_tokenizer
 from learner.debug_batch import save_batch
 from learner.evaluation.scoring import unscorable
 from learner.evaluation.stage import held_out_answers, load_eval_set, trainable
@@ -47,6 +47,7 @@ from learner.round_metrics import write_round_metrics, write_step_metrics
 from learner.round_rewards import RoundRewards
 from learner.sample import Sample
 from learner.server_api import ServerApi
+from learner.sft import conversation_samples, rated_up
 from learner.trainers.drift import length_change
 from learner.training import TrainingRequest, run_training_child
 from learner.user_weights import user_weights
@@ -133,6 +134,8 @@ class _Round:
         return self.serving["version"]
 
     def learn(self) -> RoundResult:
+        if self.config.mode == "sft":
+            return self.learn_supervised()
         with self.timer("collect"):
             collected = self.collect()
         if not self.samples:
@@ -163,6 +166,40 @@ class _Round:
         self.refuse_length_drift()  # on the policy's own answers, before the corrections join them
         self.samples, advantages = [*self.samples, *corrections], [*advantages, *[0.0] * len(corrections)]
         self.metrics["corrections"] = len(corrections)
+        return self.train_and_serve(advantages, collected, rewards)
+
+    def learn_supervised(self) -> RoundResult:
+        """An SFT round (``learner.sft``): a conversations file, or the answers rated up in the log, all
+        trained by likelihood; the feedback watermark stays where it is."""
+        config = self.config
+        with self.timer("collect"):
+            if config.sft_data is not None:
+                tokenizer, stops = turn_tokenizer(self.base_dir)
+                self.samples = conversation_samples(config.sft_data, tokenizer, stops)
+            else:
+                with self.sessions.begin() as session:
+                    batch = collect_feedback(
+                        session,
+                        model=self.model,
+                        since=0,
+                        tenant_id=config.tenant_id,
+                        end_user=config.end_user,
+                        max_age=config.max_age,
+                    )
+                    flagged = flagged_users(session)
+                self.samples = rated_up(learnable(feedback_samples(batch.items), flagged))
+        self.watermark = self.since
+        if not self.samples:
+            where = f"no assistant turn in {config.sft_data}" if config.sft_data else "no answer rated up in the log"
+            return self.nothing_to_learn(where, 0)
+        self.metrics["sft_samples"] = len(self.samples)
+        return self.train_and_serve([0.0] * len(self.samples), len(self.samples))
+
+    def train_and_serve(
+        self, advantages: list[float], collected: int, rewards: RoundRewards | None = None
+    ) -> RoundResult:
+        """Train on ``self.samples``, record the version, gate it, and roll it out (``rewards``: the
+        round's, for the eval rollout after the swap)."""
         request = self.training_request(advantages)
         if self.config.save_batch_dir is not None:
             info = {"round_id": self.round_id, "model": self.model, "watermark": self.watermark}
@@ -198,7 +235,7 @@ class _Round:
                 promotion.roll_out(checkpoint, version_id, self.config.canary_share)
             if self.config.eval_rollout_path is not None:
                 with self.timer("eval_rollout"):
-                    self.metrics |= rewards.eval_rollout(self.samples, self.succeeded_rounds())
+                    self.metrics |= (rewards or self.rewards()).eval_rollout(self.samples, self.succeeded_rounds())
         self.metrics["seconds"] = self.timer.seconds
         self.finish(
             status="succeeded",

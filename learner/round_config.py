@@ -30,7 +30,7 @@ __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "
 STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "swap", "eval_rollout")
 
 RewardSource = Literal["feedback", "reward_model", "judge", "custom"]
-RoundMode = Literal["train", "rollout_only"]
+RoundMode = Literal["train", "rollout_only", "sft"]
 
 
 class RoundError(RuntimeError):
@@ -121,6 +121,7 @@ class RoundConfig:
     # metrics, debugging and plumbing
     metrics: RoundMetricsConfig | None = None  # TensorBoard / W&B; None: only the round's row
     mode: RoundMode = "train"
+    sft_data: Path | None = None  # mode "sft": an OpenAI-format JSONL of conversations; None: liked answers
     save_batch_dir: Path | None = None  # each round's training batch goes to <this>/<round id>/
     http_timeout_s: float = 600.0
     heartbeat_s: float = 30.0
@@ -148,6 +149,8 @@ class RoundConfig:
             errors.append(f"mode must be one of {get_args(RoundMode)}, got {self.mode!r}")
         if self.refill_attempts < 0:
             errors.append(f"refill_attempts must be >= 0, got {self.refill_attempts}")
+        if self.sft_data is not None and (self.mode != "sft" or not self.sft_data.is_file()):
+            errors.append(f"sft_data goes with mode 'sft' and must be a file, got {self.sft_data}")
         if errors:
             raise ValueError("invalid round config: " + "; ".join(errors))
         self.plugins()  # a wrong path or signature fails here, not halfway through a round

@@ -16,7 +16,7 @@ from tandem.commands.engines import engines_app
 from tandem.commands.export import export_command
 from tandem.commands.generate import generate_command
 from tandem.commands.keys import keys_app
-from tandem.commands.learn import learn_command
+from tandem.commands.learn import learn_command, sft_command
 from tandem.commands.replay import replay_command
 from tandem.commands.worker import beat_command, worker_command
 from tandem.logging import configure_logging
@@ -27,6 +27,7 @@ app.add_typer(db_app, name="db", help="Database schema migrations.")
 app.add_typer(keys_app, name="keys", help="Tenant API keys.")
 app.add_typer(engines_app, name="engines", help="Managed engine groups: validate a config and show launch commands.")
 app.command("learn")(learn_command)
+app.command("sft")(sft_command)
 app.command("replay")(replay_command)
 app.command("export")(export_command)
 app.command("generate")(generate_command)

@@ -1,4 +1,5 @@
-"""`tandem learn`: run one learning round now against a running server."""
+"""`tandem learn` and `tandem sft`: run one learning round, or one supervised fine-tuning round, now
+against a running server."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from tandem.commands.db import DatabaseUrl, resolve_database_url
 
 if TYPE_CHECKING:
     from learner.personal_round import PersonalRoundConfig
+    from learner.round_config import RoundConfig
+    from tandem.settings import Settings
 
 console = Console()
 errors = Console(stderr=True)
@@ -82,22 +85,105 @@ def learn_command(
     Authenticated with the admin key from TANDEM_ADMIN_KEY; every other default comes from the
     learner settings (TANDEM_LEARN_*), as for scheduled rounds.
     """
-    from learner.round import RoundError, run_round
-    from learner.round_settings import personal_round_config, round_config
+    from learner.round_settings import personal_round_config
+
+    settings, config = _round_config(
+        "learn",
+        server,
+        database_url=database_url,
+        checkpoint_dir=checkpoint_dir,
+        learning_rate=learning_rate,
+        steps=steps,
+        threads=threads,
+        overrides={
+            "learn_reward": reward,
+            "learn_reward_path": reward_path,
+            "learn_samples_per_prompt": samples_per_prompt,
+            "learn_save_batch_dir": save_batch,
+        },
+        model_dir=model_dir,
+        tenant_id=tenant,
+        end_user=user,
+        max_age_s=max_age_s,
+        mode="rollout_only" if rollout_only else "train",
+    )
+    if personal or settings.learner.scope == "personal":
+        _personal_round(personal_round_config(settings, config))
+        return
+    _run_and_report(config, "learn")
+
+
+def sft_command(
+    server: Annotated[str, typer.Option(help="URL of the running tandem server, e.g. http://127.0.0.1:8000.")],
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help='OpenAI-format JSONL ({"messages": [...]} per line); default: the answers rated up in the log.'
+        ),
+    ] = None,
+    database_url: DatabaseUrl = None,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(help="Base checkpoint when the serving version has none recorded; default: the server's model."),
+    ] = None,
+    checkpoint_dir: Annotated[
+        Path | None, typer.Option(help="Where new checkpoints go [TANDEM_CHECKPOINT_DIR].")
+    ] = None,
+    learning_rate: Annotated[
+        float | None, typer.Option(help="Optimizer learning rate [TANDEM_LEARN_LEARNING_RATE].")
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps [TANDEM_LEARN_STEPS].")] = None,
+    threads: Annotated[int | None, typer.Option(help="Torch CPU threads for training [TANDEM_LEARN_THREADS].")] = None,
+    tenant: Annotated[str | None, typer.Option(help="From the log: only this tenant's liked answers.")] = None,
+    user: Annotated[str | None, typer.Option(help="From the log: only this end user's liked answers.")] = None,
+    max_age_s: Annotated[float | None, typer.Option(help="From the log: only answers at most this old.")] = None,
+) -> None:
+    """Supervised fine-tuning: every assistant turn of --data (or every answer rated up in the log)
+    trained by likelihood on its own tokens, then the same evaluation gate and hot swap as `tandem learn`."""
+    _, config = _round_config(
+        "sft",
+        server,
+        database_url=database_url,
+        checkpoint_dir=checkpoint_dir,
+        learning_rate=learning_rate,
+        steps=steps,
+        threads=threads,
+        overrides={},
+        model_dir=model_dir,
+        tenant_id=tenant,
+        end_user=user,
+        max_age_s=max_age_s,
+        mode="sft",
+        sft_data=data,
+    )
+    _run_and_report(config, "sft")
+
+
+def _round_config(
+    command: str,
+    server: str,
+    *,
+    database_url: str | None,
+    checkpoint_dir: Path | None,
+    learning_rate: float | None,
+    steps: int | None,
+    threads: int | None,
+    overrides: dict[str, Any],
+    **fields: Any,
+) -> tuple[Settings, RoundConfig]:
+    """The settings and the round config of a command; a readable refusal and exit code 2."""
+    from learner.round_settings import round_config
     from tandem.commands.load_settings import load_settings
 
-    overrides = {
-        "database_url": database_url,
-        "checkpoint_dir": checkpoint_dir,
-        "learn_learning_rate": learning_rate,
-        "learn_steps": steps,
-        "learn_threads": threads,
-        "learn_reward": reward,
-        "learn_reward_path": reward_path,
-        "learn_samples_per_prompt": samples_per_prompt,
-        "learn_save_batch_dir": save_batch,
-    }
-    settings = load_settings("learn", **overrides)
+    settings = load_settings(
+        command,
+        database_url=database_url,
+        checkpoint_dir=checkpoint_dir,
+        learn_learning_rate=learning_rate,
+        learn_steps=steps,
+        learn_threads=threads,
+        **overrides,
+    )
     if settings.server.admin_key is None:
         errors.print("[red]set TANDEM_ADMIN_KEY: rolling out weights needs the server's admin key[/red]")
         raise typer.Exit(code=2)
@@ -107,18 +193,18 @@ def learn_command(
                 settings, server_url=server, admin_key=settings.server.admin_key.get_secret_value(), trigger="manual"
             ),
             database_url=resolve_database_url(database_url),
-            model_dir=model_dir,
-            tenant_id=tenant,
-            end_user=user,
-            max_age_s=max_age_s,
-            mode="rollout_only" if rollout_only else "train",
+            **fields,
         )
     except (ValueError, PluginError) as exc:
-        errors.print(f"[red]tandem learn: {exc}[/red]", soft_wrap=True)
+        errors.print(f"[red]tandem {command}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(code=2) from exc
-    if personal or settings.learner.scope == "personal":
-        _personal_round(personal_round_config(settings, config))
-        return
+    return settings, config
+
+
+def _run_and_report(config: RoundConfig, command: str) -> None:
+    """Run the round with a status line per stage and print its one-line outcome."""
+    from learner.round import RoundError, run_round
+
     with console.status("starting the round") as status:
 
         def on_stage(stage: str, seconds: float | None) -> None:
@@ -130,7 +216,7 @@ def learn_command(
         try:
             result = run_round(config, on_stage=on_stage)
         except RoundError as exc:
-            errors.print(f"[red]tandem learn: {exc}[/red]", soft_wrap=True)
+            errors.print(f"[red]tandem {command}: {exc}[/red]", soft_wrap=True)
             raise typer.Exit(code=1) from exc
     if result.status == "failed":
         errors.print(f"[red]round {result.round_id} failed; serving unchanged: {result.error}[/red]", soft_wrap=True)
@@ -139,8 +225,10 @@ def learn_command(
         console.print(f"round {result.round_id}: nothing to learn ({result.reason}); no version made", soft_wrap=True)
         return
     rollouts = result.metrics.get("rollout/raw_reward_mean")
-    rewards = f"reward mean {result.reward_mean:+.3f}" + (
-        f" (rollouts {rollouts:+.3f})" if rollouts is not None else ""
+    rewards = (
+        "trained by likelihood (SFT)"
+        if result.reward_mean is None
+        else f"reward mean {result.reward_mean:+.3f}" + (f" (rollouts {rollouts:+.3f})" if rollouts is not None else "")
     )
     if result.status == "rollout_only":
         console.print(f"round {result.round_id}: {result.samples} samples, {rewards}; rollout only, nothing trained")
