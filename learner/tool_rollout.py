@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from learner.rollout import checkpoint_tokenizer
 from learner.sample import Sample, SampleStatus
@@ -70,10 +70,12 @@ class ToolRollout:
         budget = int(sampling_params.get("max_new_tokens", 128))
         history, ran = list(messages), 0
         for turn in range(self.max_turns):
-            if sample.response_length >= budget:  # the tool results used up what was left
+            # What is left of the response budget, and of the model's context.
+            room = min(budget - sample.response_length, _context_length(str(args.hf_checkpoint)) - len(sample.tokens))
+            if room < 1:
                 sample.status = SampleStatus.TRUNCATED
                 break
-            params = {**sampling_params, "max_new_tokens": budget - sample.response_length}
+            params = {**sampling_params, "max_new_tokens": room}
             forced = turn == 0 and self.first_turn == "required"
             if forced:
                 params["json_schema"] = json.dumps(calls_schema(tools, MAX_FIRST_CALLS))
@@ -100,10 +102,12 @@ class ToolRollout:
             ran += len(calls)
             turn_messages = _turn_messages(turn, calls, results)
             glue = _glue(tokenizer, parser, tools, template_tools is not None, turn_messages[1:], tokens[-1:])
-            sample.append_response_tokens(
-                args, tokens=tokenizer.encode(glue, add_special_tokens=False), trainable=False, text=glue
-            )
+            glue_ids = tokenizer.encode(glue, add_special_tokens=False)
             history += turn_messages
+            if len(sample.tokens) + len(glue_ids) >= _context_length(str(args.hf_checkpoint)):
+                sample.status = SampleStatus.TRUNCATED  # the results leave no room for another turn
+                break
+            sample.append_response_tokens(args, tokens=glue_ids, trainable=False, text=glue)
         else:
             sample.status = SampleStatus.TRUNCATED  # out of turns while still calling tools
         sample.metadata = {**sample.metadata, "messages": history, "tool_calls": ran}
@@ -153,6 +157,11 @@ def _glue(
     glue = str(text).split(MARKER, 1)[1]
     written = str(tokenizer.decode(last_token)) if last_token and last_token[0] in _end_ids(tokenizer) else ""
     return glue.removeprefix(written) if written and glue.startswith(written) else glue
+
+
+@functools.cache
+def _context_length(checkpoint: str) -> int:
+    return int(getattr(AutoConfig.from_pretrained(checkpoint), "max_position_embeddings", 2048))
 
 
 def _for_template(tools: list[dict[str, Any]] | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:

@@ -120,6 +120,25 @@ def test_the_python_tool_runs_in_the_sandbox(args: SimpleNamespace, tiny_model: 
     assert all(m["content"] in glue for m in tool_messages)
 
 
+def test_results_that_outgrow_the_context_end_the_rollout(args: SimpleNamespace) -> None:
+    def flood() -> str:
+        """Returns far more text than the model's context holds."""
+        return "word " * 5000
+
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    sample = rollout(args, ToolRegistry([tool(flood, parameters=closed)]))
+    assert sample.status.value == "truncated" and sample.metadata["tool_calls"] >= 1
+    assert set(sample.resolved_loss_mask()) == {1}  # the call is kept; the results that cannot fit are not
+    assert sample.metadata["messages"][-1]["role"] == "tool"
+
+
+def test_a_budget_beyond_the_context_is_cut_to_it(args: SimpleNamespace) -> None:
+    sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
+    runner = ToolRollout(ToolRegistry([ADD]), max_turns=1)
+    done = asyncio.run(runner.generate(args, sample, {**SAMPLING, "max_new_tokens": 10**6}))
+    assert len(done.tokens) <= 2048 and done.response_length >= 1  # the tiny model's context
+
+
 def test_without_calls_the_rollout_is_one_turn(args: SimpleNamespace) -> None:
     sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
     runner = ToolRollout(ToolRegistry([ADD]), max_turns=3)  # auto: the random model writes no <tool_call>
