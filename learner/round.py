@@ -52,6 +52,7 @@ from learner.trainers.drift import length_change
 from learner.training import TrainingRequest, run_training_child
 from learner.user_weights import user_weights
 from storage import (
+    FeedbackBatch,
     RoundBusyError,
     collect_feedback,
     finish_round,
@@ -177,17 +178,7 @@ class _Round:
                 tokenizer, stops = turn_tokenizer(self.base_dir)
                 self.samples = conversation_samples(config.sft_data, tokenizer, stops)
             else:
-                with self.sessions.begin() as session:
-                    batch = collect_feedback(
-                        session,
-                        model=self.model,
-                        since=0,
-                        tenant_id=config.tenant_id,
-                        end_user=config.end_user,
-                        max_age=config.max_age,
-                    )
-                    flagged = flagged_users(session)
-                self.samples = rated_up(learnable(feedback_samples(batch.items), flagged))
+                self.samples = rated_up(self.rated_answers(since=0)[1])
         self.watermark = self.since
         if not self.samples:
             where = f"no assistant turn in {config.sft_data}" if config.sft_data else "no answer rated up in the log"
@@ -253,25 +244,34 @@ class _Round:
 
     def collect(self) -> int:
         """Rated answers since the watermark, through the configured filters; returns how many were rated."""
-        config = self.config
-        with self.sessions.begin() as session:
-            batch = collect_feedback(
-                session,
-                model=self.model,
-                since=self.since,
-                tenant_id=config.tenant_id,
-                end_user=config.end_user,
-                max_age=config.max_age,
-            )
-            flagged = flagged_users(session)
+        batch, rated = self.rated_answers(since=self.since)
         self.watermark = batch.watermark
-        answered = feedback_samples(batch.items)
-        rated = learnable(answered, flagged)
-        self.metrics["flagged_excluded"] = sum(1 for s in answered if s.response_length > 0) - len(rated)
-        self.samples = trainable(rated, config.evaluation)
-        if config.evaluation.holds_out:
+        answered = sum(1 for item in batch.items if item.response_token_ids)
+        self.metrics["flagged_excluded"] = answered - len(rated)
+        self.samples = trainable(rated, self.config.evaluation)
+        if self.config.evaluation.holds_out:
             self.metrics["eval/held_out"] = len(rated) - len(self.samples)
         return len(batch.items)
+
+    def feedback(self, session: Session, *, since: int, until: int | None = None) -> FeedbackBatch:
+        """The model's rated answers after ``since`` through the round's tenant, user and age filters."""
+        config = self.config
+        return collect_feedback(
+            session,
+            model=self.model,
+            since=since,
+            until=until,
+            tenant_id=config.tenant_id,
+            end_user=config.end_user,
+            max_age=config.max_age,
+        )
+
+    def rated_answers(self, *, since: int) -> tuple[FeedbackBatch, list[Sample]]:
+        """``feedback`` and its answers as samples, less those of flagged users."""
+        with self.sessions.begin() as session:
+            batch = self.feedback(session, since=since)
+            flagged = flagged_users(session)
+        return batch, learnable(feedback_samples(batch.items), flagged)
 
     def rewards(self) -> RoundRewards:
         return RoundRewards(
@@ -303,15 +303,7 @@ class _Round:
             config, held_out = self.config, []
             if config.evaluation.holds_out:
                 with self.sessions.begin() as session:
-                    history = collect_feedback(
-                        session,
-                        model=self.model,
-                        since=0,
-                        until=self.watermark,
-                        tenant_id=config.tenant_id,
-                        end_user=config.end_user,
-                        max_age=config.max_age,
-                    )
+                    history = self.feedback(session, since=0, until=self.watermark)
                 held_out = held_out_answers(history.items, config.evaluation, config.reward_mapping)
             self.eval_samples = load_eval_set(config.evaluation, held_out)
         return self.eval_samples

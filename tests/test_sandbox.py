@@ -4,7 +4,6 @@ must not notice (no file written, no process left behind)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 from pathlib import Path
@@ -168,7 +167,6 @@ def test_the_host_is_unaffected_while_sandboxes_run() -> None:
         ticker.join()
     assert all(r.reason == "cpu_limit" for r in results)
     assert len(ticks) > 5  # the host thread kept running beside them
-    assert os.getloadavg()  # and the host is still here to ask
     assert sandbox_processes() == []
 
 

@@ -35,24 +35,26 @@ STAGE_LABELS = {
 
 Reward = Literal["feedback", "reward_model", "judge", "custom"]
 
+# The options `learn` and `sft` share.
+ServerUrl = Annotated[str, typer.Option(help="URL of the running tandem server, e.g. http://127.0.0.1:8000.")]
+ModelDir = Annotated[
+    Path | None,
+    typer.Option(help="Base checkpoint when the serving version has none recorded; default: the server's model."),
+]
+CheckpointDir = Annotated[Path | None, typer.Option(help="Where new checkpoints go [TANDEM_CHECKPOINT_DIR].")]
+LearningRate = Annotated[float | None, typer.Option(help="Optimizer learning rate [TANDEM_LEARN_LEARNING_RATE].")]
+Steps = Annotated[int | None, typer.Option(help="Optimizer steps over the round's samples [TANDEM_LEARN_STEPS].")]
+Threads = Annotated[int | None, typer.Option(help="Torch CPU threads for training [TANDEM_LEARN_THREADS].")]
+
 
 def learn_command(
-    server: Annotated[str, typer.Option(help="URL of the running tandem server, e.g. http://127.0.0.1:8000.")],
+    server: ServerUrl,
     database_url: DatabaseUrl = None,
-    model_dir: Annotated[
-        Path | None,
-        typer.Option(help="Base checkpoint when the serving version has none recorded; default: the server's model."),
-    ] = None,
-    checkpoint_dir: Annotated[
-        Path | None, typer.Option(help="Where new checkpoints go [TANDEM_CHECKPOINT_DIR].")
-    ] = None,
-    learning_rate: Annotated[
-        float | None, typer.Option(help="Optimizer learning rate [TANDEM_LEARN_LEARNING_RATE].")
-    ] = None,
-    steps: Annotated[
-        int | None, typer.Option(help="Optimizer steps over the round's samples [TANDEM_LEARN_STEPS].")
-    ] = None,
-    threads: Annotated[int | None, typer.Option(help="Torch CPU threads for training [TANDEM_LEARN_THREADS].")] = None,
+    model_dir: ModelDir = None,
+    checkpoint_dir: CheckpointDir = None,
+    learning_rate: LearningRate = None,
+    steps: Steps = None,
+    threads: Threads = None,
     reward: Annotated[
         Reward | None, typer.Option(help="Reward source (docs/rewards.md) [TANDEM_LEARN_REWARD].")
     ] = None,
@@ -114,7 +116,7 @@ def learn_command(
 
 
 def sft_command(
-    server: Annotated[str, typer.Option(help="URL of the running tandem server, e.g. http://127.0.0.1:8000.")],
+    server: ServerUrl,
     data: Annotated[
         Path | None,
         typer.Option(
@@ -122,18 +124,11 @@ def sft_command(
         ),
     ] = None,
     database_url: DatabaseUrl = None,
-    model_dir: Annotated[
-        Path | None,
-        typer.Option(help="Base checkpoint when the serving version has none recorded; default: the server's model."),
-    ] = None,
-    checkpoint_dir: Annotated[
-        Path | None, typer.Option(help="Where new checkpoints go [TANDEM_CHECKPOINT_DIR].")
-    ] = None,
-    learning_rate: Annotated[
-        float | None, typer.Option(help="Optimizer learning rate [TANDEM_LEARN_LEARNING_RATE].")
-    ] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps [TANDEM_LEARN_STEPS].")] = None,
-    threads: Annotated[int | None, typer.Option(help="Torch CPU threads for training [TANDEM_LEARN_THREADS].")] = None,
+    model_dir: ModelDir = None,
+    checkpoint_dir: CheckpointDir = None,
+    learning_rate: LearningRate = None,
+    steps: Steps = None,
+    threads: Threads = None,
     tenant: Annotated[str | None, typer.Option(help="From the log: only this tenant's liked answers.")] = None,
     user: Annotated[str | None, typer.Option(help="From the log: only this end user's liked answers.")] = None,
     max_age_s: Annotated[float | None, typer.Option(help="From the log: only answers at most this old.")] = None,

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from transformers import AutoTokenizer
 
 from learner.sample import Sample
-from learner.sglang_router import sglang_router
 from learner.tool_rollout import ToolRollout
 from tandem.sandbox import Sandbox, SandboxLimits
 from tandem.tool_calls import PARSERS, conversation_with_tools
 from tandem.tool_registry import ToolRegistry, python_tool, tool
-from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway, tiny_model
+from tests.server.conftest import tiny_model
 from tests.server.engines.helpers import reference_logprobs
 
 __all__ = ["tiny_model"]  # the shared fixture, visible here
@@ -47,18 +44,10 @@ ADD = tool(
 )
 
 
-@pytest.fixture(scope="module")
-def args(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    settings = gateway_settings(tmp_path_factory.mktemp("tool-rollout"), tiny_model, admin_key=ADMIN_KEY)
-    gateway: Gateway
-    with run_gateway(settings) as gateway, sglang_router(gateway.url, ADMIN_KEY, timeout=120) as (ip, port):
-        yield SimpleNamespace(hf_checkpoint=str(tiny_model), sglang_router_ip=ip, sglang_router_port=port)
-
-
-def rollout(args: SimpleNamespace, tools: ToolRegistry, seed: int = 11) -> Sample:
+def rollout(router_args: SimpleNamespace, tools: ToolRegistry, seed: int = 11) -> Sample:
     sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
     runner = ToolRollout(tools, max_turns=2, first_turn="required")
-    return asyncio.run(runner.generate(args, sample, {**SAMPLING, "sampling_seed": seed}))
+    return asyncio.run(runner.generate(router_args, sample, {**SAMPLING, "sampling_seed": seed}))
 
 
 def runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -72,9 +61,9 @@ def runs(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def test_masks_log_probs_and_tokens_of_a_tool_turn_are_exact(args: SimpleNamespace, tiny_model: Path) -> None:
+def test_masks_log_probs_and_tokens_of_a_tool_turn_are_exact(router_args: SimpleNamespace, tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    sample = rollout(args, ToolRegistry([ADD]))
+    sample = rollout(router_args, ToolRegistry([ADD]))
     tools = [ADD.openai()]
     conversation, _ = conversation_with_tools(QUESTION, tools, template_renders=False, parser=PARSERS["hermes"])
     prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
@@ -106,10 +95,10 @@ def test_masks_log_probs_and_tokens_of_a_tool_turn_are_exact(args: SimpleNamespa
     assert [m["content"] for m in messages if m["role"] == "tool"] == results
 
 
-def test_the_python_tool_runs_in_the_sandbox(args: SimpleNamespace, tiny_model: Path) -> None:
+def test_the_python_tool_runs_in_the_sandbox(router_args: SimpleNamespace, tiny_model: Path) -> None:
     sandbox = Sandbox(SandboxLimits(wall_s=60))
     # Short code, so that the random model's string ends within the turn's tokens.
-    sample = rollout(args, ToolRegistry([python_tool(sandbox, max_code_chars=24)]), seed=3)
+    sample = rollout(router_args, ToolRegistry([python_tool(sandbox, max_code_chars=24)]), seed=3)
     tool_messages = [m for m in sample.metadata["messages"] if m["role"] == "tool"]
     assert tool_messages and sample.metadata["tool_calls"] == len(tool_messages)
     # The random model's code does not run cleanly; the sandbox's report of it is the tool result.
@@ -120,28 +109,28 @@ def test_the_python_tool_runs_in_the_sandbox(args: SimpleNamespace, tiny_model: 
     assert all(m["content"] in glue for m in tool_messages)
 
 
-def test_results_that_outgrow_the_context_end_the_rollout(args: SimpleNamespace) -> None:
+def test_results_that_outgrow_the_context_end_the_rollout(router_args: SimpleNamespace) -> None:
     def flood() -> str:
         """Returns far more text than the model's context holds."""
         return "word " * 5000
 
     closed = {"type": "object", "properties": {}, "additionalProperties": False}
-    sample = rollout(args, ToolRegistry([tool(flood, parameters=closed)]))
+    sample = rollout(router_args, ToolRegistry([tool(flood, parameters=closed)]))
     assert sample.status.value == "truncated" and sample.metadata["tool_calls"] >= 1
     assert set(sample.resolved_loss_mask()) == {1}  # the call is kept; the results that cannot fit are not
     assert sample.metadata["messages"][-1]["role"] == "tool"
 
 
-def test_a_budget_beyond_the_context_is_cut_to_it(args: SimpleNamespace) -> None:
+def test_a_budget_beyond_the_context_is_cut_to_it(router_args: SimpleNamespace) -> None:
     sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
     runner = ToolRollout(ToolRegistry([ADD]), max_turns=1)
-    done = asyncio.run(runner.generate(args, sample, {**SAMPLING, "max_new_tokens": 10**6}))
+    done = asyncio.run(runner.generate(router_args, sample, {**SAMPLING, "max_new_tokens": 10**6}))
     assert len(done.tokens) <= 2048 and done.response_length >= 1  # the tiny model's context
 
 
-def test_without_calls_the_rollout_is_one_turn(args: SimpleNamespace) -> None:
+def test_without_calls_the_rollout_is_one_turn(router_args: SimpleNamespace) -> None:
     sample = Sample(prompt_token_ids=[1], metadata={"messages": QUESTION})
     runner = ToolRollout(ToolRegistry([ADD]), max_turns=3)  # auto: the random model writes no <tool_call>
-    done = asyncio.run(runner.generate(args, sample, {**SAMPLING, "max_new_tokens": 12}))
+    done = asyncio.run(runner.generate(router_args, sample, {**SAMPLING, "max_new_tokens": 12}))
     assert set(done.resolved_loss_mask()) == {1} and done.metadata["tool_calls"] == 0
     assert [m["role"] for m in done.metadata["messages"]] == ["user", "assistant"]

@@ -5,7 +5,6 @@ episode's turns share a rollout id, and no more episodes run at once than the bo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,9 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from learner.sample import Sample
-from learner.sglang_router import sglang_router
 from learner.workflow import Episode, Role, Workflow
-from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway, tiny_model
+from tests.server.conftest import tiny_model
 
 __all__ = ["tiny_model"]  # the shared fixture, visible here
 
@@ -23,14 +21,6 @@ SOLVER = Role("solver", "You solve the problem.", scope="solver")
 CRITIC = Role("critic", "You point out the mistakes in an answer.", scope="critic")
 REWRITER = Role("rewriter", "You rewrite an answer with the critique in mind.")
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 6}
-
-
-@pytest.fixture(scope="module")
-def args(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    settings = gateway_settings(tmp_path_factory.mktemp("workflow"), tiny_model, admin_key=ADMIN_KEY)
-    gateway: Gateway
-    with run_gateway(settings) as gateway, sglang_router(gateway.url, ADMIN_KEY, timeout=120) as (ip, port):
-        yield SimpleNamespace(hf_checkpoint=str(tiny_model), sglang_router_ip=ip, sglang_router_port=port)
 
 
 class ThreeRoles:
@@ -55,13 +45,13 @@ class ThreeRoles:
             self.running -= 1
 
 
-def test_a_three_role_workflow(args: SimpleNamespace, tiny_model: Path) -> None:
+def test_a_three_role_workflow(router_args: SimpleNamespace, tiny_model: Path) -> None:
     system = ThreeRoles()
     workflow = Workflow(system, max_concurrent=2)
     tasks = [Sample(prompt_token_ids=[1], label=f"What is {i} + {i}?", group_index=i) for i in range(5)]
 
     async def run_all() -> list[list[Sample]]:
-        return list(await asyncio.gather(*(workflow.generate(args, task, SAMPLING) for task in tasks)))
+        return list(await asyncio.gather(*(workflow.generate(router_args, task, SAMPLING) for task in tasks)))
 
     episodes = asyncio.run(run_all())
     assert system.most == 2  # five episodes, never more than two at once
