@@ -257,3 +257,23 @@ class ModelVersionPage(ObjectPage[ModelVersion]):  # type: ignore[valid-type]
 
 class SchedulePage(ObjectPage[Schedule]):  # type: ignore[valid-type]
     """Schedules, newest first."""
+
+
+class ServerTool(BaseModel):
+    name: str
+    description: str
+    parameters: dict[str, Any] = Field(description="JSON Schema of the arguments")
+    source: str = Field(description="'python' (the built-in, in the sandbox) or the dotted path it was loaded from")
+    timeout_s: float
+    tenants: list[str] = Field(description="tenants whose requests this gateway runs it for")
+
+
+class ServerToolList(ObjectList[ServerTool]):
+    """The tools this gateway runs itself (TANDEM_TOOLS)."""
+
+    max_steps: int = Field(description="turns of tool calls the gateway runs per request (TANDEM_TOOL_MAX_STEPS)")
+
+
+class TenantTools(BaseModel):
+    tenant_id: str
+    tools: list[str] = Field(description="gateway tools run for the tenant's requests")

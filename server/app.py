@@ -36,13 +36,16 @@ from server.rate_limits import ReleaseAdmissions, RequestLimiter, limiter_for
 from server.rollouts import RolloutService
 from server.routes import router
 from server.routes.deps import authenticate_first
+from server.server_tools import ServerTools
 from server.weights import WeightService
 from storage.api_keys import count_active_api_keys
 from storage.db import make_engine, make_session_factory
 from storage.rate_limits import Limits
 from tandem.logging import RequestLogMiddleware
 from tandem.models import resolve_model
+from tandem.sandbox import SandboxUnavailable
 from tandem.settings import Settings
+from tandem.tool_registry import ToolError, registry_of
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,7 @@ class _Given:
     engine: Engine | None
     log: ConversationLog | None
     model_path: Path | None
+    server_tools: ServerTools | None  # loaded before start-up, so that a bad tool stops it at once
 
 
 @asynccontextmanager
@@ -151,6 +155,17 @@ async def _database(settings: Settings) -> AsyncIterator[tuple[SqlEngine, sessio
         if migrating is not None:
             migrating.cancel()
         db.dispose()
+
+
+def _server_tools(settings: Settings) -> ServerTools | None:
+    """The gateway's own tools (TANDEM_TOOLS)."""
+    if not settings.server.tools:
+        return None
+    try:
+        registry = registry_of(settings.server.tools)
+    except (ToolError, SandboxUnavailable) as exc:
+        raise StartupError(f"TANDEM_TOOLS: {exc}") from exc
+    return ServerTools(registry, max_steps=settings.server.tool_max_steps)
 
 
 async def _start_services(
@@ -198,10 +213,14 @@ async def _start_services(
     )
     await canaries.start()
     stack.push_async_callback(canaries.close)
-    chat = ChatService(serving, tokenizer, log, adapters, tool_parser=settings.engine.tool_parser)
+    server_tools = given.server_tools
+    chat = ChatService(
+        serving, tokenizer, log, adapters, tool_parser=settings.engine.tool_parser, server_tools=server_tools
+    )
     stack.push_async_callback(chat.close)
     state = app.state
     state.chat = chat
+    state.server_tools = server_tools
     state.adapters = adapters
     state.canaries = canaries
     state.completions = CompletionService(log, sessions)
@@ -261,12 +280,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None, log: Convers
             model_path = resolve_model(settings.engine.model, settings.storage.model_cache_dir)
         except (ValueError, RuntimeError) as exc:
             raise StartupError(str(exc)) from exc
+    server_tools = _server_tools(settings)
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _database(settings) as (db, sessions), AsyncExitStack() as stack:
-            given = _Given(engine, log, model_path)
+            given = _Given(engine, log, model_path, server_tools)
             serving = await _start_services(app, settings, stack, db, sessions, given, metrics)
             info = serving.model_info()
             logger.info(

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, TypeVar
 
 from cachetools import TTLCache
@@ -35,7 +35,7 @@ from server.database_errors import driver_message
 from server.errors import ApiError
 from storage.api_keys import count_active_api_keys, lookup_api_key
 from storage.rate_limits import Limits, limits_of_key
-from storage.tenants import DEFAULT_TENANT_ID
+from storage.tenants import DEFAULT_TENANT_ID, server_tools_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ class Identity:
     # Stored request limits (server/rate_limits.py); None: the deployment's default (tenant) or none (key).
     tenant_limits: Limits | None = None
     key_limits: Limits | None = None
+    server_tools: frozenset[str] = frozenset()  # the gateway tools enabled for the tenant (server/server_tools.py)
+    keyless: bool = False  # the keyless quick start: no tenant key exists, so none is asked for
 
 
-KEYLESS = Identity(DEFAULT_TENANT_ID)
+KEYLESS = Identity(DEFAULT_TENANT_ID, keyless=True)
 ADMIN = Identity(DEFAULT_TENANT_ID, admin=True)
 
 
@@ -116,17 +118,16 @@ class Authenticator:
 
     # ---- the database, behind a deadline ----
 
-    def _count_keys(self) -> int:
-        with self._sessions() as session:
-            return count_active_api_keys(session)
-
     def _lookup(self, plaintext: str) -> Identity | None:
         with self._sessions() as session:
             found = lookup_api_key(session, plaintext)
             if found is None:
                 return None
             tenant_limits, key_limits = limits_of_key(session, found.tenant_id, found.key_id)
-        return Identity(found.tenant_id, found.key_id, tenant_limits=tenant_limits, key_limits=key_limits)
+            tools = server_tools_of(session, found.tenant_id)
+        return Identity(
+            found.tenant_id, found.key_id, tenant_limits=tenant_limits, key_limits=key_limits, server_tools=tools
+        )
 
     async def _ask(self, query: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -167,14 +168,18 @@ class Authenticator:
     # ---- keyless quick start ----
 
     def _keyless_query(self) -> _Verified:
-        return _Verified(KEYLESS if self._count_keys() == 0 else None, time.monotonic())
+        with self._sessions() as session:
+            if count_active_api_keys(session) > 0:
+                return _Verified(None, time.monotonic())
+            tools = server_tools_of(session, DEFAULT_TENANT_ID)
+        return _Verified(replace(KEYLESS, server_tools=tools), time.monotonic())
 
-    async def _is_keyless(self) -> bool:
+    async def _keyless_identity(self) -> Identity | None:
         # Keyless use is only for a loopback server with no tenant keys at all (an admin key may be
         # set: it guards the admin API only); recheck now and then so that creating the first key
         # switches it off without a restart.
         if not self._loopback:
-            return False
+            return None
         known = self._keyless
         if known is None:
             try:
@@ -184,7 +189,7 @@ class Authenticator:
             self._keyless = known
         elif time.monotonic() - known.checked_at > self._policy.keyless_ttl_s:
             self._revalidate(None, self._keyless_query)
-        return known.identity is not None
+        return known.identity
 
     # ---- keys ----
 
@@ -209,8 +214,8 @@ class Authenticator:
         for admin_digest in (self._internal_digest, self._admin_digest):
             if bearer and admin_digest is not None and hmac.compare_digest(digest, admin_digest):
                 return ADMIN
-        if await self._is_keyless():
-            return KEYLESS
+        if (keyless := await self._keyless_identity()) is not None:
+            return keyless
         if not bearer:
             raise ApiError(
                 401,

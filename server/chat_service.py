@@ -23,6 +23,7 @@ from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
 from server.errors import ApiError
 from server.prompt import PromptRenderer, template_message
 from server.schemas import ChatCompletionRequest
+from server.server_tools import ServerTools
 from server.session_turns import Reply, SessionTurns, Turn
 from server.sse import DONE, event
 from server.tools import ToolReader, forced_schema, tool_call_deltas, tool_calls_json
@@ -54,6 +55,9 @@ class ChatCall:
     log_fields: dict[str, Any]
     route: Route = BASE_ALONE  # resolved once: a swap meanwhile changes the next request
     tools: ToolReader | None = None  # with tools: reads each choice's text into content and calls
+    server_tools: frozenset[str] = frozenset()  # the gateway's own tools offered (server/server_tools.py)
+    step: int = 0  # tool-calling turns the gateway ran before this one
+    earlier_usage: tuple[int, int] = (0, 0)  # prompt and completion tokens of those turns
     states: list[ChoiceState] = field(default_factory=list)
     content_sent: list[int] = field(default_factory=list)  # with tools: content characters streamed per choice
     first_token_at: float | None = None
@@ -120,6 +124,7 @@ class ChatService:
         adapters: AdapterDirectory | None = None,
         *,
         tool_parser: str = "auto",
+        server_tools: ServerTools | None = None,
     ) -> None:
         info = engine.model_info()
         self.engine = engine
@@ -133,6 +138,7 @@ class ChatService:
         self.adapters = adapters
         self.tool_parser: ToolCallParser = parser_for(tool_parser, self.renderer.chat_template)
         self._template_renders_tools = renders_tools(self.renderer.chat_template)
+        self.server_tools = server_tools
         self._background: set[asyncio.Task[None]] = set()
         self._created = int(time.time())
 
@@ -163,10 +169,17 @@ class ChatService:
         *,
         session_header: str | None,
         log_fields: dict[str, Any],
+        continuing: ChatCall | None = None,
     ) -> ChatCall:
-        """Validate against the model and render the prompt; raises ApiError for a bad request."""
+        """Validate against the model and render the prompt; raises ApiError for a bad request.
+        ``continuing``: the turn whose gateway tool calls this request answers (same id and clock)."""
         started = time.perf_counter()
         self.check_model(request.model)
+        offered: frozenset[str] = frozenset()
+        if continuing is not None:
+            offered = continuing.server_tools
+        elif self.server_tools is not None:
+            request, offered = self.server_tools.offer(request, identity)
         conversation = [template_message(m) for m in request.messages]
         template_tools = None
         if request.tools:
@@ -204,7 +217,7 @@ class ChatService:
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         call = ChatCall(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
+            id=continuing.id if continuing else f"chatcmpl-{uuid.uuid4().hex}",
             request=request,
             identity=identity,
             session_key=session_key,
@@ -218,7 +231,17 @@ class ChatService:
             log_fields=log_fields,
             route=self.adapters.resolve(identity.tenant_id, request.user, session_key) if self.adapters else BASE_ALONE,
             tools=ToolReader(request, self.tool_parser) if request.tools else None,
+            server_tools=offered,
         )
+        if continuing is not None:
+            call.started, call.created_at, call.first_token_at = (
+                continuing.started,
+                continuing.created_at,
+                continuing.first_token_at,
+            )
+            call.step = continuing.step + 1
+            prompt, completion = self._usage_counts(continuing)
+            call.earlier_usage = (prompt, completion)
         call.states = [
             ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
         ]
@@ -257,16 +280,21 @@ class ChatService:
     # ---- non-streaming ----
 
     async def complete(self, call: ChatCall) -> dict[str, Any]:
-        chunks = self._generate(call)
-        try:
-            async for index, chunk in chunks:
-                self._add(call, index, chunk)
-        finally:
-            await chunks.aclose()
-        aborted = next((s for s in call.states if s.aborted), None)
-        if aborted is not None:
-            raise ApiError(503, f"The engine aborted the request ({aborted.abort_message}); retry it.")
-        outputs = self._tool_outputs(call)
+        while True:
+            chunks = self._generate(call)
+            try:
+                async for index, chunk in chunks:
+                    self._add(call, index, chunk)
+            finally:
+                await chunks.aclose()
+            aborted = next((s for s in call.states if s.aborted), None)
+            if aborted is not None:
+                raise ApiError(503, f"The engine aborted the request ({aborted.abort_message}); retry it.")
+            outputs = self._tool_outputs(call)
+            following = await self._run_server_tools(call, outputs)
+            if following is None:
+                break
+            call = following
         await self.log.record_completion(self._record(call, "ok"))
         self._remember(call)
         return {
@@ -319,14 +347,20 @@ class ChatService:
         try:
             opening += [data for i, c in primed if (data := self._content_event(call, head, i, c)) is not None]
             yield b"".join(opening)
-            async for index, chunk in chunks:
-                if (data := self._content_event(call, head, index, chunk)) is not None:
-                    yield data
-            aborted = next((s for s in call.states if s.aborted), None)
-            if aborted is not None:
-                raise EngineError(f"the engine aborted the request ({aborted.abort_message})", 503)
+            while True:
+                async for index, chunk in chunks:
+                    if (data := self._content_event(call, head, index, chunk)) is not None:
+                        yield data
+                aborted = next((s for s in call.states if s.aborted), None)
+                if aborted is not None:
+                    raise EngineError(f"the engine aborted the request ({aborted.abort_message})", 503)
+                outputs = self._tool_outputs(call)
+                following = await self._run_server_tools(call, outputs)
+                if following is None:
+                    break
+                await chunks.aclose()
+                call, chunks = following, self._generate(following)
             status = "ok"
-            outputs = self._tool_outputs(call)
             await self.log.record_completion(self._record(call, status))
             self._remember(call)
         except EngineError as exc:
@@ -393,6 +427,27 @@ class ChatService:
                 )
         return outputs
 
+    async def _run_server_tools(self, call: ChatCall, outputs: list[ToolOutput]) -> ChatCall | None:
+        """The next turn when the gateway runs this turn's calls itself (logged as a step of its own);
+        None when this turn is the answer."""
+        if (
+            self.server_tools is None
+            or not self.server_tools.runs(outputs[0], call.server_tools)
+            or call.states[0].finish_reason == "length"
+            or call.step >= self.server_tools.max_steps
+        ):
+            return None
+        await self.log.record_completion(self._record(call, "ok", step_only=True))
+        results = await self.server_tools.run(outputs[0].calls, completion_id=call.id, step=call.step)
+        request = self.server_tools.continuation(call.request, outputs[0], results)
+        try:
+            return await self.accept(
+                request, call.identity, session_header=call.session_key, log_fields=call.log_fields, continuing=call
+            )
+        except ApiError as exc:  # the results do not fit the context, say: the calls are the answer
+            logger.warning("tool loop ended early", extra={"completion_id": call.id, "error": exc.message})
+            return None
+
     def _closing_deltas(self, call: ChatCall, state: ChoiceState, output: ToolOutput) -> list[dict[str, Any]]:
         """What a tool request's stream still owes a choice at its end: unsent content, then its calls."""
         if call.tools is None:
@@ -422,9 +477,14 @@ class ChatService:
             return None
         return {"content": self.token_text.entries(state, start, end), "refusal": None}
 
+    @staticmethod
+    def _usage_counts(call: ChatCall) -> tuple[int, int]:
+        """Prompt and completion tokens of the request so far, the gateway's tool turns included."""
+        prompt, completion = call.earlier_usage
+        return prompt + len(call.prompt_ids), completion + sum(len(s.token_ids) for s in call.states)
+
     def _usage(self, call: ChatCall) -> dict[str, Any]:
-        prompt = len(call.prompt_ids)
-        completion = sum(len(s.token_ids) for s in call.states)
+        prompt, completion = self._usage_counts(call)
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -433,7 +493,9 @@ class ChatService:
         }
         return usage
 
-    def _record(self, call: ChatCall, status: str) -> CompletionRecord:
+    def _record(self, call: ChatCall, status: str, *, step_only: bool = False) -> CompletionRecord:
+        """The log record of the call's turn; ``step_only``: a tool-calling turn the gateway ran, which
+        the answer's record (the call's id) follows."""
         now = time.perf_counter()
         first = call.states[0]
         request = call.request
@@ -447,8 +509,11 @@ class ChatService:
             outcome=status,
             replica=replica,
         )
+        metadata = dict(request.metadata or {})
+        if step_only or call.step:
+            metadata.update(tool_loop=call.id, tool_step=str(call.step))
         return CompletionRecord(
-            id=call.id,
+            id=f"{call.id}-step{call.step}" if step_only else call.id,
             tenant_id=call.identity.tenant_id,
             model=self.model_name,
             request_messages=call.conversation,
@@ -469,7 +534,7 @@ class ChatService:
             api_key_id=call.identity.api_key_id,
             end_user=request.user,
             session_key=call.session_key,
-            metadata=dict(request.metadata or {}),
+            metadata=metadata,
             adapter_id=call.adapter.id if call.adapter else None,
             canary_id=call.route.canary_id,
             canary_arm=_arm(call.route, first.weight_version),

@@ -49,6 +49,8 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Names of the gateway's own tools (TANDEM_TOOLS) it runs for this tenant's requests.
+    server_tools: Mapped[list[Any]] = mapped_column(default=list, server_default=text("'[]'"))
 
 
 class ApiKey(Base):

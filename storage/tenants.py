@@ -28,3 +28,22 @@ def tenant_by_name(session: Session, name: str) -> Tenant | None:
 
 def list_tenants(session: Session) -> list[Tenant]:
     return list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)))
+
+
+def server_tools_of(session: Session, tenant_id: str) -> frozenset[str]:
+    """The gateway tools enabled for the tenant (none for an unknown tenant)."""
+    names = session.scalar(select(Tenant.server_tools).where(Tenant.id == tenant_id))
+    return frozenset(names or ())
+
+
+def set_server_tools(session: Session, tenant: Tenant, names: list[str]) -> None:
+    tenant.server_tools = sorted(set(names))
+
+
+def tenants_by_server_tool(session: Session) -> dict[str, list[str]]:
+    """Tool name -> the ids of the tenants it is enabled for."""
+    enabled: dict[str, list[str]] = {}
+    for tenant_id, names in session.execute(select(Tenant.id, Tenant.server_tools).order_by(Tenant.id)):
+        for name in names or ():
+            enabled.setdefault(name, []).append(tenant_id)
+    return enabled

@@ -14,9 +14,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
@@ -37,6 +46,13 @@ def default_sglang_venv() -> Path:
 def flat(name: str, default: Any = ..., **kwargs: Any) -> Any:
     """A group field whose flat name (``TANDEM_<NAME>``, a top-level TOML key) differs from its own."""
     return Field(default, validation_alias=AliasChoices(name), serialization_alias=name, **kwargs)
+
+
+def _comma_separated(value: object) -> object:
+    return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
+
+
+CommaList = Annotated[list[str], BeforeValidator(_comma_separated)]  # a list, or its items comma-separated
 
 
 class _Group(BaseModel):
@@ -72,6 +88,14 @@ class ServerSettings(_Group):
     )
     tenant_requests_per_minute: int = Field(0, ge=0)
     tenant_tokens_per_minute: int = Field(0, ge=0, description="prompt tokens plus max_tokens x n, per minute")
+    # Tools the gateway runs itself for the tenants an operator enabled them for (docs/agents.md).
+    tools: CommaList = Field(
+        default_factory=list,
+        description="'python' (the sandbox) and dotted paths of tool functions, comma-separated",
+    )
+    tool_max_steps: int = Field(
+        8, ge=1, le=64, description="turns of tool calls the gateway runs per request; the next calls go back"
+    )
 
     @field_validator("admin_key")
     @classmethod
@@ -102,7 +126,7 @@ class EngineSettings(_Group):
     model: str = DEFAULT_MODEL
     served_model_name: str = ""
     kind: Literal["local", "sglang"] = flat("engine", "local")
-    urls: list[str] = flat("engine_urls", default_factory=list)
+    urls: CommaList = flat("engine_urls", default_factory=list)
     config: Path | None = flat("engine_config", None, description="TOML file of managed engine server groups")
     start_timeout_s: float = flat(
         "engine_start_timeout_s", 300.0, gt=0, description="how long serve waits for a first replica"
@@ -123,13 +147,6 @@ class EngineSettings(_Group):
         "auto",
         description="how tool calls are read from the model's text; auto: from the chat template (docs/tools.md)",
     )
-
-    @field_validator("urls", mode="before")
-    @classmethod
-    def _split_urls(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [u.strip() for u in value.split(",") if u.strip()]
-        return value
 
     @property
     def sglang_interpreter(self) -> str:

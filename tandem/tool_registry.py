@@ -170,3 +170,8 @@ def python_tool(sandbox: Sandbox, *, max_code_chars: int = MAX_CODE_CHARS) -> To
     }
     # The sandbox enforces its own wall clock; the registry's timeout is only a backstop.
     return tool(python, parameters=parameters, timeout_s=sandbox.limits.wall_s + 5)  # type: ignore[no-any-return]
+
+
+def registry_of(names: Iterable[str]) -> ToolRegistry:
+    """The tools named by a setting: ``python`` (the built-in, with a sandbox of its own) or dotted paths."""
+    return ToolRegistry(python_tool(Sandbox()) if name == "python" else load_tool(name) for name in names)

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from server.auth import KEYLESS, CurrentIdentity, Identity, current_identity
+from server.auth import CurrentIdentity, Identity, current_identity
 from server.chat_service import ChatService
 from server.completions import CompletionService
 from server.distributed_rollout import DistributedRollouts
@@ -54,7 +54,7 @@ async def require_admin(request: Request, identity: CurrentIdentity) -> Identity
     """The caller holds the admin key: 401 without a key or with a wrong one, 403 with a tenant's key."""
     if identity.admin:
         return identity
-    if identity is KEYLESS:  # the keyless quick start asks clients for no key, but admin needs one
+    if identity.keyless:  # the keyless quick start asks clients for no key, but admin needs one
         _scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
         if key.strip():
             raise ApiError(401, f"Incorrect admin key: this endpoint needs {ADMIN_KEY_HINT}.", code="invalid_api_key")

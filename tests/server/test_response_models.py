@@ -154,6 +154,10 @@ def test_tenants_keys_limits_and_audit(api: Api) -> None:
     ]
     api(schemas.ApiKey, "GET", "/admin/keys/{key_id}", f"/admin/keys/{key['id']}")
     api(LimitsView, "GET", "/admin/tenants/{subject_id}/limits", "/admin/tenants/schema-co/limits")
+    assert api(schemas.ServerToolList, "GET", "/admin/tools") == {"object": "list", "data": [], "max_steps": 0}
+    tools = "/admin/tenants/schema-co/tools"
+    api(schemas.TenantTools, "PUT", "/admin/tenants/{tenant_id}/tools", tools, json={"tools": []})
+    assert api(schemas.TenantTools, "GET", "/admin/tenants/{tenant_id}/tools", tools)["tools"] == []
     api(schemas.ApiKey, "DELETE", "/admin/keys/{key_id}", f"/admin/keys/{key['id']}")
     api(schemas.RevokedTenant, "POST", "/admin/tenants/{tenant_id}/revoke", "/admin/tenants/schema-co/revoke")
     assert api(schemas.AuditPage, "GET", "/admin/audit", "/admin/audit?limit=2")["has_more"]
