@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-REPORTS = {"Rome": "sunny, 24 C", "Oslo": "snow, -3 C", "Paris": "rain, 12 C", "London": "fog, 9 C", "Tokyo": "cloudy, 18 C"}
+REPORTS = {
+    "Rome": "sunny, 24 C",
+    "Oslo": "snow, -3 C",
+    "Paris": "rain, 12 C",
+    "London": "fog, 9 C",
+    "Tokyo": "cloudy, 18 C",
+}
 
 
 def get_weather(city: str) -> str:

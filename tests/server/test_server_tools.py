@@ -15,7 +15,12 @@ import openai
 import pytest
 
 from server.app import StartupError, create_app
+from server.auth import Identity
+from server.schemas import ChatCompletionRequest
+from server.server_tools import ServerTools
 from tandem.models import resolve_model
+from tandem.tool_calls import ParsedCall, ToolOutput
+from tandem.tool_registry import ToolRegistry, load_tool
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 from tests.server.server_tool_fixtures import REPORTS
 
@@ -166,3 +171,46 @@ def test_a_tool_that_cannot_load_stops_the_start_with_one_line(tmp_path: Path, t
     settings = gateway_settings(tmp_path, tiny_model, tools="python,tests.server.no_such_module:tool")
     with pytest.raises(StartupError, match=r"TANDEM_TOOLS: tool 'tests.server.no_such_module:tool' cannot be loaded"):
         create_app(settings)
+
+
+def _request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+def test_what_a_request_is_offered() -> None:
+    tools = ServerTools(ToolRegistry([load_tool(WEATHER_TOOL)]), max_steps=2)
+    enabled, other = Identity("acme", server_tools=frozenset({"get_weather"})), Identity("globex")
+    offered, names = tools.offer(_request(), enabled)
+    assert names == {"get_weather"} and offered.tool_names == ["get_weather"]
+    assert offered.effective_tool_choice == "auto"
+    assert tools.offer(_request(), other) == (_request(), frozenset())
+    for kept_out in ({"tool_choice": "none"}, {"response_format": {"type": "json_object"}}):
+        assert tools.offer(_request(**kept_out), enabled)[1] == frozenset()
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    named = _request(tools=[clock], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert tools.offer(named, enabled)[1] == frozenset()
+    offered, _ = tools.offer(_request(tools=[clock], tool_choice="required"), enabled)
+    assert offered.tool_names == ["get_time", "get_weather"]
+
+
+def test_the_next_turn_carries_the_calls_and_results_and_may_answer() -> None:
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    request = _request(tools=[clock], tool_choice="required")
+    output = ToolOutput("Let me look.", [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("get_time", "{}")])
+    following = ServerTools.continuation(request, output, ["Oslo: snow", "noon"])
+    assistant, *results = following.messages[1:]
+    assert assistant.role == "assistant" and assistant.content == "Let me look."
+    calls = assistant.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'),
+        ("get_time", "{}"),
+    ]
+    assert [(r.tool_call_id, r.content) for r in results] == [
+        (c.id, text) for c, text in zip(calls, ["Oslo: snow", "noon"], strict=True)
+    ]
+    assert following.tool_choice is None and following.effective_tool_choice == "auto"
+    assert ServerTools.runs(output, frozenset({"get_weather"})) is False  # get_time is the client's
+    assert ServerTools.runs(output, frozenset({"get_weather", "get_time"})) is True
+    assert ServerTools.runs(ToolOutput("text", []), frozenset({"get_weather"})) is False
