@@ -119,6 +119,9 @@ def generate_answer(rollouts: dict[str, Any], *, return_logprob: bool) -> dict[s
 
 class _Router(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog is 5: a round's concurrent generate calls overflowed it, and
+    # the kernel reset their connections (SYN cookies) before a thread could take them.
+    request_queue_size = 1024
 
     def __init__(self, gateway: httpx.Client) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)

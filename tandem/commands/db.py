@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
-from migrations.migrate import current_revision, downgrade, upgrade
+from migrations.migrate import current_revision, downgrade, head_revision, upgrade
 from tandem.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True)
 console = Console()
+errors = Console(stderr=True)
 
 DatabaseUrl = Annotated[
     str | None, typer.Option(help="SQLAlchemy URL [TANDEM_DATABASE_URL]; default: SQLite in the data dir.")
@@ -26,6 +28,29 @@ def resolve_database_url(database_url: str | None) -> str:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return url
+
+
+def migrated_database_url(database_url: str | None, command: str) -> str:
+    """The URL of a database at this tandem's schema; otherwise exit with one line that names the
+    database opened and what to do."""
+    url = resolve_database_url(database_url)
+
+    def fail(problem: str) -> NoReturn:
+        errors.print(f"[red]tandem {command}: the database {_safe(url)} {problem}[/red]", soft_wrap=True)
+        raise typer.Exit(code=2)
+
+    try:
+        revision = current_revision(url)
+    except SQLAlchemyError as exc:
+        fail(f"cannot be opened: {getattr(exc, 'orig', None) or exc}")
+    if revision is None:
+        fail(
+            "has no tandem schema: give the server's database (--database-url or TANDEM_DATABASE_URL, as "
+            "`tandem serve` has it), or create one with `tandem db upgrade`"
+        )
+    if revision != head_revision():
+        fail(f"is at schema revision {revision}, this tandem needs {head_revision()}: run `tandem db upgrade`")
     return url
 
 

@@ -8,22 +8,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from migrations.migrate import current_revision, head_revision
 from storage.api_keys import create_api_key, list_api_keys, revoke_api_key
 from storage.db import make_engine, make_session_factory
-from tandem.commands.db import DatabaseUrl, resolve_database_url
+from tandem.commands.db import DatabaseUrl, migrated_database_url
 
 keys_app = typer.Typer(no_args_is_help=True)
 console = Console()
 errors = Console(stderr=True)
-
-
-def _migrated_url(database_url: str | None) -> str:
-    url = resolve_database_url(database_url)
-    if current_revision(url) != head_revision():
-        errors.print("[red]the database schema is missing or out of date: run `tandem db upgrade`[/red]")
-        raise typer.Exit(code=1)
-    return url
 
 
 @keys_app.command("create")
@@ -33,7 +24,7 @@ def create_command(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Create an API key; the key is printed once and cannot be shown again."""
-    engine = make_engine(_migrated_url(database_url))
+    engine = make_engine(migrated_database_url(database_url, "keys"))
     try:
         with make_session_factory(engine).begin() as session:
             plaintext, key = create_api_key(session, tenant_name=tenant, name=name)
@@ -46,7 +37,7 @@ def create_command(
 @keys_app.command("list")
 def list_command(database_url: DatabaseUrl = None) -> None:
     """List API keys (never the keys themselves)."""
-    engine = make_engine(_migrated_url(database_url))
+    engine = make_engine(migrated_database_url(database_url, "keys"))
     try:
         with make_session_factory(engine)() as session:
             keys = list_api_keys(session)
@@ -68,7 +59,7 @@ def revoke_command(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Revoke an API key; requests with it are refused from now on."""
-    engine = make_engine(_migrated_url(database_url))
+    engine = make_engine(migrated_database_url(database_url, "keys"))
     try:
         with make_session_factory(engine).begin() as session:
             key = revoke_api_key(session, key_id)

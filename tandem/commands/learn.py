@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from learner.plugins import PluginError
-from tandem.commands.db import DatabaseUrl, resolve_database_url
+from tandem.commands.db import DatabaseUrl, migrated_database_url
 
 if TYPE_CHECKING:
     from learner.personal_round import PersonalRoundConfig
@@ -187,7 +187,7 @@ def _round_config(
             round_config(
                 settings, server_url=server, admin_key=settings.server.admin_key.get_secret_value(), trigger="manual"
             ),
-            database_url=resolve_database_url(database_url),
+            database_url=migrated_database_url(database_url, command),
             **fields,
         )
     except (ValueError, PluginError) as exc:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from migrations.migrate import current_revision, head_revision
 from storage.api_keys import lookup_api_key
 from storage.db import make_engine, make_session_factory
+from tandem.cli import app
 from tandem.commands.db import db_app
 from tandem.commands.keys import keys_app
 from tests.storage.factories import new_tenant
@@ -29,8 +31,27 @@ def test_upgrade_creates_the_data_dir_and_downgrade_empties(tmp_path: Path) -> N
 
 def test_keys_need_the_schema(sqlite_url: str) -> None:
     result = runner.invoke(keys_app, ["create", "--tenant", "acme", "--database-url", sqlite_url])
-    assert result.exit_code == 1
+    assert result.exit_code == 2, result.output
+    assert f"the database {sqlite_url} has no tandem schema" in result.output
     assert "tandem db upgrade" in result.output
+
+
+def test_learn_names_the_database_it_opened_when_it_is_not_the_servers(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once `tandem learn` against a fresh database died with SQLAlchemy's "no such table"."""
+    monkeypatch.setenv("TANDEM_ADMIN_KEY", "an-admin-key-for-the-test")
+    result = runner.invoke(app, ["learn", "--server", "http://127.0.0.1:9", "--database-url", sqlite_url])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert f"tandem learn: the database {sqlite_url} has no tandem schema: give the server's database" in result.output
+
+
+def test_an_unreachable_database_is_one_line() -> None:
+    url = "postgresql://postgres@127.0.0.1:9/none"
+    result = runner.invoke(keys_app, ["list", "--database-url", url])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "cannot be opened" in result.output and "127.0.0.1" in result.output
 
 
 def test_create_list_revoke(database_url: str) -> None:
