@@ -119,13 +119,18 @@ def _tool_results(sample: Sample) -> str:
     return "\n".join(str(m.get("content")) for m in sample.metadata.get("messages", []) if m.get("role") == "tool")
 
 
-def _sampled_success(saved: Path) -> float | None:
-    """The share of the round's tool rollouts (sampled at the rollout temperature) answered exactly."""
-    if not (saved / "request.json").exists():
+def _sampled_success(metrics: dict[str, Any]) -> float | None:
+    """The share of the round's tool rollouts (at the rollout temperature) answered exactly: the kept
+    groups' mean reward, with the groups dropped for equal rewards (all right or all wrong) added back."""
+    if "groups" not in metrics:
         return None
-    samples = json.loads((saved / "request.json").read_text())["samples"]
-    rewards = [s["reward"] for s in samples if s["metadata"].get("source") == "rollout"]
-    return sum(rewards) / len(rewards) if rewards else None
+    equal = {
+        float(key.rsplit("_", 1)[1]): count
+        for key, count in metrics.items()
+        if key.startswith("rollout/zero_std/count_")
+    }
+    right = metrics["rollout/raw_reward_mean"] * metrics["groups_kept"] + sum(r * c for r, c in equal.items())
+    return float(right / metrics["groups"])
 
 
 def plain_success(client: OpenAI, model: str, held_out: list[tuple[str, int]]) -> float:
@@ -168,7 +173,6 @@ def main() -> None:
                     max_new_tokens=MAX_TOKENS,
                     rollout_path="benchmarks.tool_arithmetic:arithmetic_rollout",
                 ),
-                save_batch_dir=Path(workdir) / "batches",
             )
             rounds = []
             for index in range(args.rounds):
@@ -185,11 +189,12 @@ def main() -> None:
                 rounds.append(
                     {
                         "status": result.status,
-                        "sampled_success": _sampled_success(Path(workdir) / "batches" / result.round_id),
+                        "sampled_success": _sampled_success(result.metrics),
                         "samples": result.samples,
                         "seconds": result.seconds,
                         "wall_s": wall,
                         "error": result.error or result.reason,
+                        "metrics": {k: v for k, v in result.metrics.items() if k.startswith(("rollout", "groups"))},
                     }
                 )
                 curve.append(tool_success(server.url, checkpoint, held_out))

@@ -367,6 +367,18 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         503: "No engine is ready, or the database is down",
     }.items()
 }
+ADMIN_ONLY: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorResponse, "description": "A tenant's API key where the admin key is needed"}
+}
+"""For every route behind the admin key (given where the routers are included)."""
+ERRORS_AS_JSON: dict[int | str, dict[str, Any]] = {
+    status: {
+        "description": response["description"],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    for status, response in {**ERRORS, **ADMIN_ONLY}.items()
+}
+"""ERRORS for a route whose own answer is not JSON (its response class would name the errors' type)."""
 CONFLICT: dict[int | str, dict[str, Any]] = {
     409: {
         "model": ErrorResponse,

@@ -22,6 +22,7 @@ from admin.routes import (
     versions,
 )
 from server.routes.deps import refuse_nul_in_url
+from server.schemas import ADMIN_ONLY
 
 __all__ = ["router"]
 
@@ -44,4 +45,4 @@ for module in (
     stats,
     ui,
 ):
-    router.include_router(module.router)
+    router.include_router(module.router, responses=ADMIN_ONLY)

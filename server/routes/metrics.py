@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from server.metrics import CONTENT_TYPE, scrape
 from server.routes.deps import AdminDep
-from server.schemas import ERRORS
+from server.schemas import ERRORS_AS_JSON
 
 router = APIRouter()
 
@@ -18,7 +18,7 @@ class PrometheusText(Response):
     media_type = CONTENT_TYPE
 
 
-@router.get("/metrics", response_class=PrometheusText, responses=ERRORS)
+@router.get("/metrics", response_class=PrometheusText, responses=ERRORS_AS_JSON)
 async def metrics(_: AdminDep, request: Request) -> PrometheusText:
     state = request.app.state
     return PrometheusText(await scrape(state.metrics, state.engine, state.sessions))
