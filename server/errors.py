@@ -82,7 +82,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request body", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request: it is not valid JSON.", None
+        where = first.get("loc", ())[-1]
+        reason = (first.get("ctx") or {}).get("error")
+        detail = f" ({reason} at character {where})" if reason and isinstance(where, int) else ""
+        return f"We could not parse the JSON body of your request: it is not valid JSON{detail}.", None
     param = _location(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid value"))
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
@@ -126,10 +129,23 @@ def allowed_methods(request: Request) -> str:
     )
 
 
+def unparsable_body(cause: BaseException) -> str:
+    """What was wrong with a body the JSON parser gave up on for a reason other than syntax."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"The request body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at position {cause.start}."
+    if isinstance(cause, RecursionError):
+        return "The JSON body of your request nests arrays or objects too deeply."
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "A number in the JSON body of your request has too many digits."
+    return f"We could not parse the JSON body of your request: {type(cause).__name__}."
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
         headers["Allow"] = allowed_methods(request)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+        return error_response(400, unparsable_body(exc.__cause__), code="invalid_request")
     return error_response(exc.status_code, str(exc.detail), headers=headers)
 
 

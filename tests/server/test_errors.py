@@ -89,6 +89,31 @@ def test_invalid_json_is_400(gateway: Gateway, body: bytes) -> None:
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def _with_extra(gateway: Gateway, extra: str) -> bytes:
+    return f'{{"model": "{gateway.model}", "messages": [{{"role": "user", "content": "hi"}}], "x": {extra}}}'.encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (
+            lambda g: b"{not json",
+            "it is not valid JSON (Expecting property name enclosed in double quotes at character 1)",
+        ),
+        (lambda g: _with_extra(g, '"h"').replace(b'"h"', b'"h\xff"'), "is not valid UTF-8: byte 0xff"),
+        (lambda g: _with_extra(g, "[" * 5000 + "]" * 5000), "nests arrays or objects too deeply"),
+        (lambda g: _with_extra(g, "9" * 5000), "a number in the json body of your request has too many digits"),
+    ],
+    ids=["syntax", "utf-8", "depth", "digits"],
+)
+def test_a_body_that_cannot_be_parsed_says_why(gateway: Gateway, body: Any, says: str) -> None:
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {gateway.keys['acme']}"}
+    response = raw_post(gateway, "/v1/chat/completions", content=body(gateway), headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says.lower() in error["message"].lower() and error["type"] == "invalid_request_error"
+
+
 def test_missing_and_wrong_keys_are_401(gateway: Gateway) -> None:
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": gateway.model, "messages": HELLO})
     assert response.status_code == 401
