@@ -43,7 +43,7 @@ def migrated_database_url(database_url: str | None, command: str) -> str:
     try:
         revision = current_revision(url)
     except SQLAlchemyError as exc:
-        fail(f"cannot be opened: {getattr(exc, 'orig', None) or exc}")
+        fail(f"cannot be opened: {database_problem(exc)}")
     if revision is None:
         fail(
             "has no tandem schema: give the server's database (--database-url or TANDEM_DATABASE_URL, as "
@@ -52,6 +52,11 @@ def migrated_database_url(database_url: str | None, command: str) -> str:
     if revision != head_revision():
         fail(f"is at schema revision {revision}, this tandem needs {head_revision()}: run `tandem db upgrade`")
     return url
+
+
+def database_problem(exc: SQLAlchemyError) -> str:
+    """The driver's message of a database error, on one line (no SQL, no SQLAlchemy link)."""
+    return " ".join(str(getattr(exc, "orig", None) or exc).split())
 
 
 def _safe(url: str) -> str:
@@ -65,9 +70,16 @@ def upgrade_command(
 ) -> None:
     """Migrate the database schema up to a revision (default: the latest)."""
     url = resolve_database_url(database_url)
-    before = current_revision(url)
-    upgrade(url, revision)
-    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{current_revision(url)}[/bold]")
+    try:
+        before = current_revision(url)
+        upgrade(url, revision)
+        after = current_revision(url)
+    except SQLAlchemyError as exc:
+        errors.print(
+            f"[red]tandem db upgrade: the database {_safe(url)} failed: {database_problem(exc)}[/red]", soft_wrap=True
+        )
+        raise typer.Exit(code=2) from exc
+    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{after}[/bold]")
 
 
 @db_app.command("downgrade")
@@ -77,6 +89,13 @@ def downgrade_command(
 ) -> None:
     """Migrate the database schema down to a revision."""
     url = resolve_database_url(database_url)
-    before = current_revision(url)
-    downgrade(url, revision)
-    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{current_revision(url) or 'base'}[/bold]")
+    try:
+        before = current_revision(url)
+        downgrade(url, revision)
+        after = current_revision(url)
+    except SQLAlchemyError as exc:
+        errors.print(
+            f"[red]tandem db downgrade: the database {_safe(url)} failed: {database_problem(exc)}[/red]", soft_wrap=True
+        )
+        raise typer.Exit(code=2) from exc
+    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{after or 'base'}[/bold]")

@@ -16,8 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from storage import make_engine, make_session_factory
 from storage.log_export import export_records
-from tandem.commands.db import DatabaseUrl
-from tandem.settings import Settings
+from tandem.commands.db import DatabaseUrl, database_problem, migrated_database_url
 
 errors = Console(stderr=True)
 
@@ -35,7 +34,7 @@ def export_command(
     the request's messages and sampling, prompt and answer token ids, logprobs, and the rating."""
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
-    engine = make_engine(database_url or Settings().resolved_database_url)
+    engine = make_engine(migrated_database_url(database_url, "export"))
     count = 0
     try:
         with (
@@ -52,7 +51,7 @@ def export_command(
                 if count % 100 == 0:
                     progress.update(task, description=f"exporting: {count} answers")
     except SQLAlchemyError as exc:
-        errors.print(f"[red]tandem export: the database failed: {exc}[/red]", soft_wrap=True)
+        errors.print(f"[red]tandem export: the database failed: {database_problem(exc)}[/red]", soft_wrap=True)
         raise typer.Exit(code=1) from exc
     finally:
         engine.dispose()

@@ -47,11 +47,24 @@ def test_learn_names_the_database_it_opened_when_it_is_not_the_servers(
     assert f"tandem learn: the database {sqlite_url} has no tandem schema: give the server's database" in result.output
 
 
-def test_an_unreachable_database_is_one_line() -> None:
-    url = "postgresql://postgres@127.0.0.1:9/none"
-    result = runner.invoke(keys_app, ["list", "--database-url", url])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "cannot be opened" in result.output and "127.0.0.1" in result.output
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["keys", "list"], "tandem keys: the database postgresql://postgres@127.0.0.1:9/none cannot be opened"),
+        (["export", "--out", "-"], "tandem export: the database postgresql://postgres@127.0.0.1:9/none cannot be"),
+        (["db", "upgrade"], "tandem db upgrade: the database postgresql://postgres@127.0.0.1:9/none failed"),
+    ],
+)
+def test_an_unreachable_database_is_one_line(command: list[str], says: str) -> None:
+    result = runner.invoke(app, [*command, "--database-url", "postgresql://postgres@127.0.0.1:9/none"])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output and "sqlalche.me" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_export_from_a_database_without_the_schema_says_so(sqlite_url: str) -> None:
+    result = runner.invoke(app, ["export", "--out", "-", "--database-url", sqlite_url])
+    assert result.exit_code == 2 and "has no tandem schema" in result.output, result.output
 
 
 def test_create_list_revoke(database_url: str) -> None:
