@@ -1,13 +1,17 @@
 """Arithmetic with and without the `python` tool on SmolLM2-135M-Instruct, then RL rounds on tool
 rollouts: does the tool help, and does training on its own tool-using answers change the success rate?
 
-Each problem multiplies two 3-digit numbers, far beyond what a 135M model computes in its head. Three
-measures on held-out problems, greedy: the plain chat answer (no tool), the tool rollout before
-training (first turn a constrained `python` call, then the model answers with the result in view),
-and the tool rollout after each of ``--rounds`` RL rounds; two worked examples (call, output, answer)
-precede every problem in the tool conditions. A round samples ``--samples`` tool rollouts of each of
-``--problems`` training problems (``arithmetic_rollout``, a slime rollout function), rewards each by
-``exact_math_answer``, trains (GRPO) and hot-swaps; its time is split by stage. Writes benchmarks/results/tool_arithmetic.json.
+Each problem multiplies two 3-digit numbers, far beyond what a 135M model computes in its head.
+Measured on held-out problems, greedy: the plain chat answer (no tool), and the tool rollout (two
+worked examples before the problem, the first turn a constrained `python` call, then the model
+answers with the output in view) before training and after each of ``--rounds`` rounds.
+
+A round is the platform's own loop: ``--problems`` fresh problems are asked through the chat API
+(plain) and rated by a simulated user who checks the answer; the round samples ``--samples`` tool
+rollouts of each rated prompt (``generate``, a slime generate function), scores them with a verifier
+that reads the product from the prompt (``reward``), trains (GRPO, the rated answer in its group)
+and hot-swaps. Its time is split by stage; the rollouts' own success rate (at temperature 1) is
+recorded. Writes benchmarks/results/tool_arithmetic.json.
 
     .venv/bin/python -m benchmarks.tool_arithmetic --rounds 3
 """
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import random
+import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +39,7 @@ from learner.sample import Sample
 from learner.sglang_router import sglang_router
 from learner.slime_args import slime_args
 from learner.tool_rollout import ToolRollout
-from learner.verifiers import exact_math_answer
+from learner.verifiers import exact_math_answer, final_number
 from tandem.sandbox import Sandbox
 from tandem.tool_registry import ToolRegistry, python_tool
 
@@ -40,6 +47,7 @@ ADMIN_KEY = "tool-arithmetic-admin"
 RESULTS = Path(__file__).parent / "results" / "tool_arithmetic.json"
 ROLLOUT = ToolRollout(ToolRegistry([python_tool(Sandbox())]), max_turns=2, first_turn="required")
 TRAIN_SEED = 1
+_FACTORS = re.compile(r"(\d+) \* (\d+)")
 MAX_TOKENS = 160
 
 
@@ -88,19 +96,24 @@ async def _generate(args: Any, samples: list[Sample], temperature: float) -> lis
     return list(await asyncio.gather(*(ROLLOUT.generate(args, sample, dict(params)) for sample in samples)))
 
 
-def arithmetic_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> list[list[Sample]]:
-    """A slime rollout function: each rated prompt of the round is replaced by a fresh training problem,
-    sampled ``args.n_samples_per_prompt`` times as a tool rollout at the rollout temperature."""
-    rated = data_source.get_samples(args.rollout_batch_size)
-    drawn = problems(len(rated), seed=TRAIN_SEED * 1000 + rollout_id)
-    size = args.n_samples_per_prompt
-    samples = [
-        prompt_sample(question, answer, index=g * size + i, group=g)
-        for g, (question, answer) in enumerate(drawn)
-        for i in range(size)
-    ]
-    done = asyncio.run(_generate(args, samples, args.rollout_temperature))
-    return [done[g * size : (g + 1) * size] for g in range(len(drawn))]
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """slime's generate contract: the rated problem, the worked examples before it, as a tool rollout."""
+    asked = sample.metadata.get("messages") or sample.prompt
+    sample.metadata = {**sample.metadata, "messages": [*EXAMPLES, *asked]}
+    return await ROLLOUT.generate(args, sample, sampling_params)
+
+
+SCORED: list[float] = []  # every rollout's reward, in order: the benchmark reads each round's share
+
+
+async def reward(args: Any, sample: Sample, **kwargs: Any) -> float:
+    """``exact_math_answer`` against the product of the problem the prompt asks."""
+    asked = [m for m in sample.metadata.get("messages", []) if m.get("role") == "user"][-1]["content"]
+    a, b = _FACTORS.findall(str(asked))[-1]
+    sample.label = str(int(a) * int(b))
+    score = await exact_math_answer(args, sample)
+    SCORED.append(score)
+    return score
 
 
 def tool_success(server_url: str, checkpoint: Path, held_out: list[tuple[str, int]]) -> dict[str, float]:
@@ -119,18 +132,15 @@ def _tool_results(sample: Sample) -> str:
     return "\n".join(str(m.get("content")) for m in sample.metadata.get("messages", []) if m.get("role") == "tool")
 
 
-def _sampled_success(metrics: dict[str, Any]) -> float | None:
-    """The share of the round's tool rollouts (at the rollout temperature) answered exactly: the kept
-    groups' mean reward, with the groups dropped for equal rewards (all right or all wrong) added back."""
-    if "groups" not in metrics:
-        return None
-    equal = {
-        float(key.rsplit("_", 1)[1]): count
-        for key, count in metrics.items()
-        if key.startswith("rollout/zero_std/count_")
-    }
-    right = metrics["rollout/raw_reward_mean"] * metrics["groups_kept"] + sum(r * c for r, c in equal.items())
-    return float(right / metrics["groups"])
+def ask_and_rate(client: OpenAI, model: str, asked: list[tuple[str, int]]) -> None:
+    """The simulated users: each asks a problem through the chat API and rates the answer by its
+    correctness."""
+    for question, answer in asked:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=32
+        )
+        right = final_number(reply.choices[0].message.content or "") == answer
+        client.post("/feedback", body={"completion_id": reply.id, "rating": "up" if right else "down"}, cast_to=object)
 
 
 def plain_success(client: OpenAI, model: str, held_out: list[tuple[str, int]]) -> float:
@@ -167,29 +177,25 @@ def main() -> None:
             config = server.round_config(
                 args.lr,
                 reward="custom",
-                reward_path="learner.verifiers:exact_math_answer",
+                reward_path="benchmarks.tool_arithmetic:reward",
                 rollout=RolloutConfig(
                     n_samples_per_prompt=args.samples,
                     max_new_tokens=MAX_TOKENS,
-                    rollout_path="benchmarks.tool_arithmetic:arithmetic_rollout",
+                    custom_generate_path="benchmarks.tool_arithmetic:generate",
                 ),
             )
+            scored = importlib.import_module("benchmarks.tool_arithmetic").SCORED  # what the round loads
             rounds = []
             for index in range(args.rounds):
-                # A round starts from new feedback: one rated answer per training problem, each of whose
-                # prompts the rollout function replaces by a problem.
-                for _ in range(args.problems):
-                    reply = client.chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
-                    )
-                    client.post("/feedback", body={"completion_id": reply.id, "rating": "up"}, cast_to=object)
+                ask_and_rate(client, model, problems(args.problems, seed=TRAIN_SEED * 1000 + index))
+                before = len(scored)
                 started = time.perf_counter()
                 result = run_round(config)
                 wall = time.perf_counter() - started
                 rounds.append(
                     {
                         "status": result.status,
-                        "sampled_success": _sampled_success(result.metrics),
+                        "sampled_success": statistics.fmean(scored[before:]) if scored[before:] else None,
                         "samples": result.samples,
                         "seconds": result.seconds,
                         "wall_s": wall,
