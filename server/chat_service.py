@@ -240,8 +240,7 @@ class ChatService:
                 continuing.first_token_at,
             )
             call.step = continuing.step + 1
-            prompt, completion = self._usage_counts(continuing)
-            call.earlier_usage = (prompt, completion)
+            call.earlier_usage = self._usage_counts(continuing)
         call.states = [
             ChoiceState(i, self.tokenizer, request.stop_list, incremental=request.stream) for i in range(request.n)
         ]

@@ -87,4 +87,4 @@ def test_tandem_export_writes_what_the_api_answers_with_the_rating(gateway: Gate
     assert later.exit_code == 0 and later.output.strip().endswith("0 answers written to standard output")
     empty = tmp_path / "empty.db"  # a database tandem never migrated: no tables
     broken = CliRunner().invoke(app, ["export", "--out", "-", "--database-url", f"sqlite:///{empty}"])
-    assert broken.exit_code == 1 and "the database failed" in broken.output
+    assert broken.exit_code == 2 and "has no tandem schema" in broken.output
