@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -35,23 +36,29 @@ def migrated_database_url(database_url: str | None, command: str) -> str:
     """The URL of a database at this tandem's schema; otherwise exit with one line that names the
     database opened and what to do."""
     url = resolve_database_url(database_url)
-
-    def fail(problem: str) -> NoReturn:
-        errors.print(f"[red]tandem {command}: the database {_safe(url)} {problem}[/red]", soft_wrap=True)
-        raise typer.Exit(code=2)
-
     try:
         revision = current_revision(url)
     except SQLAlchemyError as exc:
-        fail(f"cannot be opened: {database_problem(exc)}")
+        _refuse(command, url, f"cannot be opened: {database_problem(exc)}")
     if revision is None:
-        fail(
+        _refuse(
+            command,
+            url,
             "has no tandem schema: give the server's database (--database-url or TANDEM_DATABASE_URL, as "
-            "`tandem serve` has it), or create one with `tandem db upgrade`"
+            "`tandem serve` has it), or create one with `tandem db upgrade`",
         )
     if revision != head_revision():
-        fail(f"is at schema revision {revision}, this tandem needs {head_revision()}: run `tandem db upgrade`")
+        _refuse(
+            command,
+            url,
+            f"is at schema revision {revision}, this tandem needs {head_revision()}: run `tandem db upgrade`",
+        )
     return url
+
+
+def _refuse(command: str, url: str, problem: str) -> NoReturn:
+    errors.print(f"[red]tandem {command}: the database {_safe(url)} {problem}[/red]", soft_wrap=True)
+    raise typer.Exit(code=2)
 
 
 def database_problem(exc: SQLAlchemyError) -> str:
@@ -63,23 +70,25 @@ def _safe(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def _migrate(command: str, database_url: str | None, move: Callable[[str], None]) -> None:
+    """Run ``move`` on the database and print the revisions before and after, or the failure in one line."""
+    url = resolve_database_url(database_url)
+    try:
+        before = current_revision(url)
+        move(url)
+        after = current_revision(url)
+    except SQLAlchemyError as exc:
+        _refuse(command, url, f"failed: {database_problem(exc)}")
+    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{after or 'base'}[/bold]")
+
+
 @db_app.command("upgrade")
 def upgrade_command(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
     database_url: DatabaseUrl = None,
 ) -> None:
     """Migrate the database schema up to a revision (default: the latest)."""
-    url = resolve_database_url(database_url)
-    try:
-        before = current_revision(url)
-        upgrade(url, revision)
-        after = current_revision(url)
-    except SQLAlchemyError as exc:
-        errors.print(
-            f"[red]tandem db upgrade: the database {_safe(url)} failed: {database_problem(exc)}[/red]", soft_wrap=True
-        )
-        raise typer.Exit(code=2) from exc
-    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{after}[/bold]")
+    _migrate("db upgrade", database_url, lambda url: upgrade(url, revision))
 
 
 @db_app.command("downgrade")
@@ -88,14 +97,4 @@ def downgrade_command(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Migrate the database schema down to a revision."""
-    url = resolve_database_url(database_url)
-    try:
-        before = current_revision(url)
-        downgrade(url, revision)
-        after = current_revision(url)
-    except SQLAlchemyError as exc:
-        errors.print(
-            f"[red]tandem db downgrade: the database {_safe(url)} failed: {database_problem(exc)}[/red]", soft_wrap=True
-        )
-        raise typer.Exit(code=2) from exc
-    console.print(f"database {_safe(url)}: {before or 'empty'} -> [bold]{after or 'base'}[/bold]")
+    _migrate("db downgrade", database_url, lambda url: downgrade(url, revision))
