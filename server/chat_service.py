@@ -17,10 +17,10 @@ from server.adapter_directory import BASE_ALONE, AdapterDirectory, Route, Served
 from server.auth import Identity
 from server.cache_scope import cache_salt, engine_session_key
 from server.choice import ChoiceState, TokenText
-from server.conversation_log import ConversationLog
+from server.conversation_log import ConversationLog, JournalWriteError
 from server.detokenizer import decode_text
 from server.engines.base import Engine, EngineError, SamplingParams, TokenChunk
-from server.errors import ApiError
+from server.errors import ApiError, error_payload, journal_message
 from server.prompt import PromptRenderer, template_message
 from server.schemas import ChatCompletionRequest
 from server.server_tools import ServerTools
@@ -368,6 +368,10 @@ class ChatService:
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
             yield event(error) + DONE
             return
+        except JournalWriteError as exc:
+            status = "unlogged"  # the answer streamed but was not kept: the client gets no finish event
+            yield event(error_payload(503, journal_message(exc), code="log_unavailable")) + DONE
+            return
         finally:
             await chunks.aclose()
             if status == "cancelled":  # the client went away mid-stream
@@ -556,6 +560,8 @@ class ChatService:
     async def _write(self, record: CompletionRecord) -> None:
         try:
             await self.log.record_completion(record)
+        except JournalWriteError as exc:
+            logger.warning("could not log completion: %s", exc, extra={"completion_id": record.id})
         except Exception:
             logger.exception("could not log completion", extra={"completion_id": record.id})
 

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from server.conversation_log import JournalWriteError
 from server.engines.base import EngineError
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,18 @@ async def _engine_error(_: Request, exc: EngineError) -> Response:
     return error_response(exc.status, str(exc), code="engine_error", headers=headers)
 
 
+def journal_message(exc: JournalWriteError) -> str:
+    return (
+        f"The conversation log could not be written ({exc}), so nothing of this request was kept; "
+        "retry later. The operator must free space on the journal's disk."
+    )
+
+
+async def _journal_error(_: Request, exc: JournalWriteError) -> Response:
+    # 503 and not 507: clients and proxies retry a 503 with Retry-After; the cause is the server's.
+    return error_response(503, journal_message(exc), code="log_unavailable", headers={"Retry-After": "5"})
+
+
 async def _unexpected(_: Request, exc: Exception) -> Response:
     logger.exception("unhandled error", exc_info=exc)
     return error_response(500, "The server had an internal error; it has been logged.")
@@ -168,6 +181,7 @@ def install_error_handlers(app: FastAPI, authenticate: Authenticate | None = Non
         (RequestValidationError, _validation_error(authenticate)),
         (StarletteHTTPException, _http_error),
         (EngineError, _engine_error),
+        (JournalWriteError, _journal_error),
         (Exception, _unexpected),
     ]
     for kind, handler in handlers:

@@ -63,6 +63,7 @@ class Flusher(threading.Thread):
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.db_available = True
+        self._checkpoint_failing = False
 
     def wake(self) -> None:
         self._wake.set()
@@ -94,9 +95,20 @@ class Flusher(threading.Thread):
         return True
 
     def _advance(self, batch: Batch) -> None:
-        self._checkpoint.save(batch.end)
-        if batch.end.segment > self._position.segment:
-            delete_segments_before(self._directory, batch.end.segment)
+        try:
+            self._checkpoint.save(batch.end)
+        except OSError as exc:
+            # A full disk must not stop the flusher (and every lookup waiting on it): a lost
+            # checkpoint only replays stored records. The segments stay until one is saved.
+            if not self._checkpoint_failing:
+                logger.warning("journal checkpoint not saved (%s); storing goes on", exc)
+            self._checkpoint_failing = True
+        else:
+            if self._checkpoint_failing:
+                logger.info("journal checkpoint saved again")
+            self._checkpoint_failing = False
+            if batch.end.segment > self._position.segment:
+                delete_segments_before(self._directory, batch.end.segment)
         self._position = batch.end
         self._on_committed(batch.entries)
 

@@ -22,7 +22,7 @@ from server.conversation_log.flusher import Flusher
 from server.conversation_log.lines import encode_completion, encode_feedback
 from server.conversation_log.reader import Entry, read_batch
 from server.conversation_log.segments import Checkpoint, Position, segment_numbers
-from server.conversation_log.writer import JournalWriter, Syncer
+from server.conversation_log.writer import JournalWriteError, JournalWriter, Syncer
 from storage.db import make_engine
 from storage.records import CompletionRecord, FeedbackRecord
 
@@ -100,7 +100,11 @@ class ConversationLog:
         """Return once ``rec`` is journaled (and fsynced, with fsync="always")."""
         self._check_open()
         self._pending[rec.id] = rec.tenant_id
-        await self._append(encode_completion(rec))
+        try:
+            await self._append(encode_completion(rec))
+        except JournalWriteError:
+            self._pending.pop(rec.id, None)
+            raise
 
     async def record_feedback(self, rec: FeedbackRecord) -> None:
         self._check_open()

@@ -9,6 +9,7 @@ before it started (group commit).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -17,6 +18,10 @@ from pathlib import Path
 from server.conversation_log.segments import segment_path
 
 logger = logging.getLogger("tandem.log")
+
+
+class JournalWriteError(Exception):
+    """A record could not be written to the journal (disk full, I/O error); none of it stays behind."""
 
 
 class JournalWriter:
@@ -45,12 +50,20 @@ class JournalWriter:
             self._dir_dirty = True
 
     def append(self, line: bytes) -> int:
-        """Write one line; returns its sequence number (1-based, counting from process start)."""
-        if self._size >= self._segment_bytes:
-            self.open(self._segment + 1)
-        view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        """Write one line; returns its sequence number (1-based, counting from process start).
+
+        Raises JournalWriteError if the line could not be written whole; a partly written line is
+        cut off again, so the next record starts on a clean line once space returns."""
+        try:
+            if self._size >= self._segment_bytes:
+                self.open(self._segment + 1)
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise JournalWriteError(exc.strerror or str(exc)) from exc
         self._size += len(line)
         self.appended += 1
         return self.appended
@@ -95,7 +108,7 @@ class Syncer(threading.Thread):
         self.synced = 0
 
     async def wait_synced(self, seq: int) -> None:
-        """Return once record ``seq`` is fsynced; raises the OSError if the fsync failed."""
+        """Return once record ``seq`` is fsynced; raises JournalWriteError if the fsync failed."""
         if self.synced >= seq:
             return
         loop = asyncio.get_running_loop()
@@ -120,12 +133,12 @@ class Syncer(threading.Thread):
             self._sync_once()  # nobody may be left waiting on a stopped syncer
 
     def _sync_once(self) -> None:
-        error: OSError | None = None
+        error: JournalWriteError | None = None
         try:
             self.synced = self._writer.sync()
         except OSError as exc:
             logger.error("journal fsync failed: %s", exc)
-            error = exc
+            error = JournalWriteError(f"fsync failed: {exc.strerror or exc}")
         with self._lock:
             done = [(s, f) for s, f in self._waiters if error is not None or s <= self.synced]
             self._waiters = [(s, f) for s, f in self._waiters if error is None and s > self.synced]
@@ -133,7 +146,7 @@ class Syncer(threading.Thread):
             self._loop.call_soon_threadsafe(_resolve, [f for _, f in done], error)
 
 
-def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+def _resolve(futures: list[asyncio.Future[None]], error: JournalWriteError | None) -> None:
     for future in futures:
         if future.done():
             continue

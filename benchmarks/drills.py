@@ -1,0 +1,413 @@
+"""Fault drills: real `tandem serve` processes under load from the official openai client, one fault
+each, and a table of what the clients were told against what the database holds afterwards.
+
+Every drill starts its own gateway (the tiny model, PostgreSQL reached through a TCP proxy the drill
+can cut) with clients that chat (plain or streamed) and rate every answer they get:
+
+- gateway-kill: SIGKILL the gateway mid-load and start it again on the same data folder.
+- postgres-down: the proxy refuses and cuts every PostgreSQL connection for ``fault_s``.
+- disk-full: the journal's disk (a tmpfs of its own, so this needs root) fills up for ``fault_s``,
+  then the filler is deleted.
+
+Columns: sent (chat and rating requests), acknowledged (answers received whole, ratings answered
+201), lost (acknowledged but not in the database once the gateway has flushed), duplicated (a request
+stored twice, a rating applied twice), non-2xx (errors and broken connections, by status), recovery
+(from the end of the fault until clients are answered again and the database holds everything
+acknowledged before it ended).
+
+    .venv/bin/python -m benchmarks.drills              # full lengths, a fresh PostgreSQL database each
+    .venv/bin/python -m benchmarks.drills --fault-s 4  # about the CI tier's lengths (tests/e2e/test_drills.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import psycopg
+from psycopg import sql
+from sqlalchemy import create_engine, select
+from sqlalchemy.engine import make_url
+
+from benchmarks.common import console, free_port, model_path
+from storage.models import Completion, FeedbackEvent
+from tests.fixtures.small_disk import fill, small_disk
+from tests.fixtures.tcp_proxy import TcpProxy
+
+POSTGRES_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=5"
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 8
+MODEL = "drill"  # the name the drills' gateways serve the tiny model under
+
+
+@dataclass
+class Ledger:
+    """What the clients were told, from every client thread."""
+
+    tag: str  # in every prompt of this drill, so the audit finds its rows in a shared database
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0
+    completions: dict[str, float] = field(default_factory=dict)  # id -> when it was acknowledged
+    feedback: dict[str, float] = field(default_factory=dict)
+    failures: Counter[str] = field(default_factory=Counter)
+
+    def acknowledged_before(self, moment: float) -> tuple[set[str], set[str]]:
+        with self.lock:
+            return (
+                {i for i, t in self.completions.items() if t <= moment},
+                {i for i, t in self.feedback.items() if t <= moment},
+            )
+
+    def answered_after(self, moment: float) -> bool:
+        with self.lock:
+            return any(t > moment for t in self.completions.values())
+
+
+@dataclass(frozen=True)
+class Audit:
+    lost: int
+    duplicated: int
+
+
+@dataclass(frozen=True)
+class Row:
+    drill: str
+    sent: int
+    acknowledged: int
+    lost: int
+    duplicated: int
+    failures: dict[str, int]
+    recovery_s: float | None
+
+    def cells(self) -> list[str]:
+        failed = sum(self.failures.values())
+        detail = ", ".join(f"{n} x {kind}" for kind, n in sorted(self.failures.items()))
+        recovery = "not recovered" if self.recovery_s is None else f"{self.recovery_s:.1f} s"
+        return [
+            self.drill,
+            str(self.sent),
+            str(self.acknowledged),
+            str(self.lost),
+            str(self.duplicated),
+            f"{failed} ({detail})" if failed else "0",
+            recovery,
+        ]
+
+
+HEADER = ["drill", "sent", "acknowledged", "lost", "duplicated", "non-2xx", "recovery"]
+
+
+class Gateway:
+    """`tandem serve` of the tiny model on a fixed port, so clients find it again after a restart."""
+
+    def __init__(self, data_dir: Path, database_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = data_dir
+        self._env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "TANDEM_DATA_DIR": str(data_dir),
+            "TANDEM_DATABASE_URL": database_url,
+            "TANDEM_MODEL": str(model_path("tiny")),
+            "TANDEM_SERVED_MODEL_NAME": MODEL,
+            "TANDEM_PORT": str(self.port),
+            "TANDEM_LEARNER": "off",
+            "TANDEM_TORCH_THREADS": "1",
+            "TANDEM_LOG_LEVEL": "WARNING",
+        }
+        self._process: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"{data_dir.name}-gateway.log"  # outside the data folder: it may be full
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "serve"], env=self._env, stdout=out, stderr=out, cwd=ROOT
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"tandem serve exited:\n{self.log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{self.url}/v1/models", timeout=2)
+                return
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"tandem serve did not answer within 120 s; log: {self.log}")
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=60)
+
+
+class Load:
+    """``clients`` threads, each chatting (streamed or not) and rating every answer it gets, until stopped."""
+
+    def __init__(self, url: str, ledger: Ledger, clients: int, stream: bool) -> None:
+        self._url = url
+        self._ledger = ledger
+        self._stream = stream
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    def _client(self, index: int) -> None:
+        client = openai.OpenAI(base_url=f"{self._url}/v1", api_key="drill", max_retries=0, timeout=30)
+        turn = 0
+        while not self._stop.is_set():
+            turn += 1
+            completion_id = self._count(self._chat, client, f"{self._ledger.tag} {index}-{turn}")
+            if completion_id is None:
+                continue
+            with self._ledger.lock:
+                self._ledger.completions[completion_id] = time.monotonic()
+            if (rating := self._count(self._rate, client, completion_id)) is not None:
+                with self._ledger.lock:
+                    self._ledger.feedback[rating] = time.monotonic()
+
+    def _count(
+        self, request: Callable[[openai.OpenAI, str], str | None], client: openai.OpenAI, arg: str
+    ) -> str | None:
+        """Send one request; count it as sent, and as failed (by status) unless it gave an id."""
+        with self._ledger.lock:
+            self._ledger.sent += 1
+        failure = "incomplete stream"
+        try:
+            if (answer := request(client, arg)) is not None:
+                return answer
+        except openai.APIStatusError as exc:
+            failure = str(exc.status_code)
+        except (openai.APIError, httpx.HTTPError):
+            failure = "connection"
+        with self._ledger.lock:
+            self._ledger.failures[failure] += 1
+        time.sleep(0.25 if failure == "connection" else 0.05)  # a gateway that is down refuses at once
+        return None
+
+    @staticmethod
+    def _rate(client: openai.OpenAI, completion_id: str) -> str:
+        body = {"completion_id": completion_id, "rating": "up"}
+        return str(client.post("/feedback", cast_to=httpx.Response, body=body).json()["id"])
+
+    def _chat(self, client: openai.OpenAI, prompt: str) -> str | None:
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
+        if not self._stream:
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS).id
+        finished, completion_id = False, None
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True):
+            completion_id = chunk.id
+            finished = finished or any(c.finish_reason for c in chunk.choices)
+        return completion_id if finished else None  # only a stream that finished is an answer
+
+
+def audit(database_url: str, ledger: Ledger, completions: set[str], feedback: set[str]) -> Audit:
+    """Which of ``completions`` and ``feedback`` are not stored, and how many of the drill's requests
+    or ratings are stored more than once."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            stored = connection.execute(select(Completion.id, Completion.request_messages)).all()
+            events = connection.execute(select(FeedbackEvent.id, FeedbackEvent.completion_id)).all()
+    finally:
+        engine.dispose()
+    prompts = Counter(
+        str(messages[-1].get("content")) for _, messages in stored if ledger.tag in str(messages[-1].get("content"))
+    )
+    drill_ids = {completion_id for completion_id, messages in stored if ledger.tag in str(messages[-1].get("content"))}
+    ratings = Counter(completion_id for _, completion_id in events if completion_id in drill_ids)
+    lost = len(completions - drill_ids) + len(feedback - {event_id for event_id, _ in events})
+    duplicated = sum(n - 1 for n in prompts.values()) + sum(n - 1 for n in ratings.values())
+    return Audit(lost, duplicated)
+
+
+def recovery_seconds(database_url: str, ledger: Ledger, fault_ended: float, timeout_s: float) -> float | None:
+    """Seconds from ``fault_ended`` until a client is answered again and everything acknowledged before
+    it is stored; None if that does not happen within ``timeout_s``."""
+    before = ledger.acknowledged_before(fault_ended)
+    while time.monotonic() - fault_ended < timeout_s:
+        if ledger.answered_after(fault_ended) and audit(database_url, ledger, *before).lost == 0:
+            return time.monotonic() - fault_ended
+        time.sleep(0.2)
+    return None
+
+
+def final_row(drill: str, database_url: str, ledger: Ledger, recovery_s: float | None) -> Row:
+    """The drill's row once the load has stopped: everything acknowledged must be stored (the gateway
+    flushes its journal within seconds; the audit waits up to 30 s for it)."""
+    completions, feedback = ledger.acknowledged_before(time.monotonic())
+    deadline = time.monotonic() + 30
+    result = audit(database_url, ledger, completions, feedback)
+    while result.lost and time.monotonic() < deadline:
+        time.sleep(0.5)
+        result = audit(database_url, ledger, completions, feedback)
+    return Row(
+        drill,
+        ledger.sent,
+        len(completions) + len(feedback),
+        result.lost,
+        result.duplicated,
+        dict(ledger.failures),
+        recovery_s,
+    )
+
+
+@contextlib.contextmanager
+def proxied(database_url: str) -> Iterator[tuple[str, TcpProxy]]:
+    """``database_url`` reached through a TCP proxy the drill can cut."""
+    url = make_url(database_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxy.start()
+    try:
+        yield url.set(port=proxy.port).render_as_string(hide_password=False), proxy
+    finally:
+        proxy.stop()
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    database_url: str
+    workdir: Path
+    clients: int = 4
+    fault_s: float = 20.0
+    steady_s: float = 5.0  # load before and after each fault
+    recovery_timeout_s: float = 60.0
+
+
+def gateway_kill(config: DrillConfig, stream: bool) -> Row:
+    name = "gateway-kill, " + ("streamed" if stream else "plain")
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    with proxied(config.database_url) as (url, _):
+        gateway = Gateway(config.workdir / f"kill-{ledger.tag}", url)
+        gateway.start()
+        try:
+            with Load(gateway.url, ledger, config.clients, stream):
+                time.sleep(config.steady_s)
+                gateway.kill()
+                killed = time.monotonic()
+                gateway.start()  # replays its journal
+                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s)
+                time.sleep(config.steady_s)
+            return final_row(name, url, ledger, recovery)
+        finally:
+            gateway.stop()
+
+
+def postgres_down(config: DrillConfig) -> Row:
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    with proxied(config.database_url) as (url, proxy):
+        gateway = Gateway(config.workdir / f"pg-{ledger.tag}", url)
+        gateway.start()
+        try:
+            with Load(gateway.url, ledger, config.clients, stream=False):
+                time.sleep(config.steady_s)
+                proxy.stop()
+                time.sleep(config.fault_s)
+                proxy.start()
+                back = time.monotonic()
+                recovery = recovery_seconds(url, ledger, back, config.recovery_timeout_s)
+                time.sleep(config.steady_s)
+            return final_row(f"postgres-down {config.fault_s:.0f} s", url, ledger, recovery)
+        finally:
+            gateway.stop()
+
+
+def disk_full(config: DrillConfig) -> Row:
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    data_dir = config.workdir / f"disk-{ledger.tag}"
+    with small_disk(data_dir / "journal") as journal, proxied(config.database_url) as (url, _):
+        gateway = Gateway(data_dir, url)
+        gateway.start()
+        try:
+            with Load(gateway.url, ledger, config.clients, stream=False):
+                time.sleep(config.steady_s)
+                filler = fill(journal)
+                time.sleep(config.fault_s)
+                filler.unlink()
+                freed = time.monotonic()
+                recovery = recovery_seconds(url, ledger, freed, config.recovery_timeout_s)
+                time.sleep(config.steady_s)
+            return final_row(f"disk-full {config.fault_s:.0f} s", url, ledger, recovery)
+        finally:
+            gateway.stop()
+
+
+def run_all(config: DrillConfig) -> list[Row]:
+    drills: list[tuple[str, Callable[[], Row]]] = [
+        ("gateway SIGKILL, plain", lambda: gateway_kill(config, stream=False)),
+        ("gateway SIGKILL, streamed", lambda: gateway_kill(config, stream=True)),
+        ("PostgreSQL unreachable", lambda: postgres_down(config)),
+        ("journal disk full", lambda: disk_full(config)),
+    ]
+    rows = []
+    for title, drill in drills:
+        console.print(f"drill: {title} ...")
+        rows.append(drill())
+        console.print("  " + " | ".join(rows[-1].cells()))
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    name = f"tandem_drills_{secrets.token_hex(4)}"
+    with psycopg.connect(POSTGRES_ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+        finally:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=4, help="concurrent clients, each chatting and rating")
+    parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts")
+    parser.add_argument("--steady-s", type=float, default=10.0, help="load before and after each fault")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-drills"))
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with fresh_postgres_database() as database_url:
+        config = DrillConfig(database_url, args.workdir, args.clients, args.fault_s, args.steady_s)
+        rows = run_all(config)
+    print(markdown(rows))
+    lost = sum(row.lost + row.duplicated for row in rows)
+    console.print(f"{len(rows)} drills: {lost} records lost or duplicated in all")
+    sys.exit(1 if lost else 0)
+
+
+if __name__ == "__main__":
+    main()
