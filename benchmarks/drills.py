@@ -5,6 +5,8 @@ Every drill starts its own gateway (the tiny model, PostgreSQL reached through a
 can cut) with clients that chat (plain or streamed) and rate every answer they get:
 
 - gateway-kill: SIGKILL the gateway mid-load and start it again on the same data folder.
+- engine-kill: SIGKILL one of two managed `tandem engine` replicas mid-stream; the pool reroutes and
+  restarts it.
 - postgres-down: the proxy refuses and cuts every PostgreSQL connection for ``fault_s``.
 - disk-full: the journal's disk (a tmpfs of its own, so this needs root) fills up for ``fault_s``,
   then the filler is deleted.
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import psycopg
 from psycopg import sql
 from sqlalchemy import create_engine, select
@@ -51,6 +54,7 @@ from tests.fixtures.tcp_proxy import TcpProxy
 POSTGRES_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=5"
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
+ADMIN_KEY = "drill-admin-key"
 MODEL = "drill"  # the name the drills' gateways serve the tiny model under
 
 
@@ -114,7 +118,7 @@ HEADER = ["drill", "sent", "acknowledged", "lost", "duplicated", "non-2xx", "rec
 class Gateway:
     """`tandem serve` of the tiny model on a fixed port, so clients find it again after a restart."""
 
-    def __init__(self, data_dir: Path, database_url: str) -> None:
+    def __init__(self, data_dir: Path, database_url: str, **settings: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -129,6 +133,8 @@ class Gateway:
             "TANDEM_LEARNER": "off",
             "TANDEM_TORCH_THREADS": "1",
             "TANDEM_LOG_LEVEL": "WARNING",
+            "TANDEM_ADMIN_KEY": ADMIN_KEY,
+            **{f"TANDEM_{name.upper()}": value for name, value in settings.items()},
         }
         self._process: subprocess.Popen[bytes] | None = None
         self.log = data_dir.parent / f"{data_dir.name}-gateway.log"  # outside the data folder: it may be full
@@ -148,6 +154,15 @@ class Gateway:
             time.sleep(0.2)
         self.kill()
         raise RuntimeError(f"tandem serve did not answer within 120 s; log: {self.log}")
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    def replicas_healthy(self) -> bool:
+        listed = httpx.get(f"{self.url}/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+        return listed.status_code == 200 and all(r["healthy"] for r in listed.json()["data"])
 
     def kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -249,12 +264,18 @@ def audit(database_url: str, ledger: Ledger, completions: set[str], feedback: se
     return Audit(lost, duplicated)
 
 
-def recovery_seconds(database_url: str, ledger: Ledger, fault_ended: float, timeout_s: float) -> float | None:
-    """Seconds from ``fault_ended`` until a client is answered again and everything acknowledged before
-    it is stored; None if that does not happen within ``timeout_s``."""
+def recovery_seconds(
+    database_url: str,
+    ledger: Ledger,
+    fault_ended: float,
+    timeout_s: float,
+    repaired: Callable[[], bool] = lambda: True,
+) -> float | None:
+    """Seconds from ``fault_ended`` until a client is answered again, everything acknowledged before
+    it is stored and ``repaired`` holds; None if that does not happen within ``timeout_s``."""
     before = ledger.acknowledged_before(fault_ended)
     while time.monotonic() - fault_ended < timeout_s:
-        if ledger.answered_after(fault_ended) and audit(database_url, ledger, *before).lost == 0:
+        if ledger.answered_after(fault_ended) and audit(database_url, ledger, *before).lost == 0 and repaired():
             return time.monotonic() - fault_ended
         time.sleep(0.2)
     return None
@@ -340,6 +361,42 @@ def postgres_down(config: DrillConfig) -> Row:
             gateway.stop()
 
 
+def engine_kill(config: DrillConfig) -> Row:
+    """SIGKILL one of two managed engine replicas under streamed load; recovered once the pool has
+    restarted it and every replica is healthy again."""
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    data_dir = config.workdir / f"engine-{ledger.tag}"
+    data_dir.mkdir(parents=True)
+    engines = data_dir / "engines.toml"
+    engines.write_text(
+        f"""[[groups]]
+name = "tiny"
+engine = "tandem"
+device = "cpu"
+model_path = "{model_path("tiny")}"
+replicas = 2
+base_port = {free_port()}
+port_stride = 7
+env = {{ TANDEM_TORCH_THREADS = "1", TANDEM_LOG_LEVEL = "WARNING" }}
+"""
+    )
+    with proxied(config.database_url) as (url, _):
+        # A 2 s probe: a shorter one can time out on a busy engine on 2 cores and eject a healthy replica.
+        gateway = Gateway(data_dir, url, engine="sglang", engine_config=str(engines), health_interval_s="2")
+        gateway.start()
+        try:
+            with Load(gateway.url, ledger, config.clients, stream=True):
+                time.sleep(config.steady_s)
+                victim = next(child for child in psutil.Process(gateway.pid).children() if "engine" in child.cmdline())
+                os.killpg(victim.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s, gateway.replicas_healthy)
+                time.sleep(config.steady_s)
+            return final_row("engine replica SIGKILL, streamed", url, ledger, recovery)
+        finally:
+            gateway.stop()
+
+
 def disk_full(config: DrillConfig) -> Row:
     ledger = Ledger(f"drill-{secrets.token_hex(4)}")
     data_dir = config.workdir / f"disk-{ledger.tag}"
@@ -364,6 +421,7 @@ def run_all(config: DrillConfig) -> list[Row]:
     drills: list[tuple[str, Callable[[], Row]]] = [
         ("gateway SIGKILL, plain", lambda: gateway_kill(config, stream=False)),
         ("gateway SIGKILL, streamed", lambda: gateway_kill(config, stream=True)),
+        ("engine replica SIGKILL", lambda: engine_kill(config)),
         ("PostgreSQL unreachable", lambda: postgres_down(config)),
         ("journal disk full", lambda: disk_full(config)),
     ]

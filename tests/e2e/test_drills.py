@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.drills import DrillConfig, Row, disk_full, gateway_kill, postgres_down
+from benchmarks.drills import DrillConfig, Row, disk_full, engine_kill, gateway_kill, postgres_down
 from tests.conftest import _in_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -31,6 +31,14 @@ def test_gateway_sigkill_under_load(config: DrillConfig, stream: bool) -> None:
     row = gateway_kill(config, stream)
     held(row)
     assert set(row.failures) <= {"connection", "incomplete stream"}, row  # only while it was down
+
+
+@pytest.mark.timeout(600)  # two engine processes start first
+def test_engine_replica_sigkill_under_load(config: DrillConfig) -> None:
+    row = engine_kill(config)
+    held(row)
+    # Only the streams on the killed replica fail (an error event, never a hang or a 500 before the stream).
+    assert set(row.failures) <= {"connection", "incomplete stream", "503"}, row
 
 
 def test_postgres_unreachable_under_load(config: DrillConfig) -> None:
