@@ -3,6 +3,7 @@ the moment it is created and is refused the moment it is revoked; its secret is 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from storage.audit import list_admin_actions
+from storage.models import ApiKey
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
 
@@ -90,6 +92,10 @@ def test_key_lifecycle(gateway: Gateway) -> None:
     assert listed == [shown] == [key | {"last_used_at": shown["last_used_at"]}]
     everything = admin(gateway, "GET", "/admin/keys").text + admin(gateway, "GET", "/admin/tenants").text
     assert secret[8:] not in everything and secret[8:12] not in everything  # never shown again
+    with gateway.sessions()() as session:  # stored as its SHA-256 and an 8-character prefix only
+        row = session.get(ApiKey, key["id"])
+        assert row is not None and row.key_hash == hashlib.sha256(secret.encode()).hexdigest()
+        assert secret not in str([getattr(row, c.key) for c in ApiKey.__table__.columns])
     tenants = {t["id"]: t for t in admin(gateway, "GET", "/admin/tenants").json()["data"]}
     assert tenants["initech"]["active_keys"] == 1 and tenants["acme"]["active_keys"] == 1
 
