@@ -71,6 +71,9 @@ def create_celery_app(settings: Settings, *, server_url: str | None = None) -> L
         broker_connection_retry_on_startup=False,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # A round keeps training when the broker goes away (Celery 6 would cancel it): the copy the
+        # broker redelivers finds the round lock and watermark and trains nothing twice.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_prefetch_multiplier=1,
         task_default_queue=QUEUE,
         task_serializer="json",

@@ -43,6 +43,7 @@ from tandem.settings import Settings
 from tests.admin.test_metrics import parse
 from tests.e2e.processes import start_tandem
 from tests.e2e.test_learning_round import LEARNING_RATE, chat_and_rate
+from tests.fixtures.tcp_proxy import TcpProxy
 from tests.fixtures.tiny_model import tiny_model_path
 from tests.learner.fault_plugins import HANG
 from tests.server.conftest import ADMIN_KEY, Gateway, gateway_settings, run_gateway
@@ -439,3 +440,43 @@ def test_serve_learns_on_its_embedded_worker_with_zero_configuration(tmp_path: P
     assert "learner worker child stopped" in serve.log.read_text()
     alive = [p for p in descendants if _alive(p)]
     assert alive == [], serve.log.read_text()[-3000:]
+
+
+def test_redis_unreachable_mid_round_trains_once_and_leaves_serving_alone(
+    gateway: Gateway, tmp_path: Path, redis_prefix: str, workers: Callable[..., Worker]
+) -> None:
+    """The drill: the worker's broker goes away (connections cut and refused) while its round trains."""
+    proxy = TcpProxy("127.0.0.1", 6379)
+    proxy.start()
+    try:
+        env = learner_env(gateway, tmp_path / "learner", redis_prefix)
+        proxied = {**env, "TANDEM_REDIS_URL": REDIS.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")}
+        chat_and_rate(gateway, [("Is snow white?", "up"), ("Is coal white?", "down"), ("Is milk white?", "up")])
+        serving = weight_version(gateway.url)
+        workers(proxied, gateway.url)
+        sender(env).send_task(LEARN)  # straight to Redis: only the worker's connection is cut
+
+        def rounds(status: str) -> list[Any]:
+            with gateway.sessions()() as session:
+                return list_rounds(session, model=gateway.model, status=status)
+
+        wait_until(lambda: rounds("running"), timeout_s=TASK_TIMEOUT_S, what="the round starts")
+        proxy.stop()
+        client = gateway.client(gateway.keys["e2e"])
+        for _ in range(3):  # serving does not need the broker
+            reply = client.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}])
+            assert reply.system_fingerprint == serving
+        time.sleep(5)  # past the visibility timeout (2 s): the broker would redeliver an unacknowledged task
+        proxy.start()
+
+        wait_until(lambda: rounds("succeeded"), timeout_s=TASK_TIMEOUT_S, what="the round succeeds")
+        time.sleep(6)  # time for a redelivered copy to run, and to find nothing left to learn
+        with gateway.sessions()() as session:
+            every = list_rounds(session, model=gateway.model)
+            versions = list_versions(session, model=gateway.model)
+        (done,) = [r for r in every if r.status == "succeeded"]
+        assert {r.status for r in every} <= {"succeeded", "nothing_to_learn", "failed"}, every
+        assert done.samples_trained == 3 and [v.id for v in versions] == [done.produced_version_id]
+        assert weight_version(gateway.url) == done.produced_version_id
+    finally:
+        proxy.stop()
