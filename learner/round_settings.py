@@ -142,6 +142,7 @@ def round_config(
         train_config=train_config(settings),
         evaluation=eval_config(settings),
         canary_share=settings.learner.canary_share,
+        rollout_weights=settings.learner.rollout_weights,
         drift=DriftConfig(
             guard=settings.learner.drift_guard,
             max_kl=settings.learner.drift_max_kl,

@@ -259,6 +259,11 @@ class LearnerSettings(_Group):
         lt=1,
         description="a new base version serves this share of sessions first, from part of the engine pool (0: none)",
     )
+    rollout_weights: Literal["same", "fp8"] = _learn(
+        "rollout_weights",
+        "same",
+        description="fp8: serve each new version as a blockwise FP8 copy (training stays in full precision)",
+    )
     drift_guard: Literal["on", "off"] = _learn(
         "drift_guard", "on", description="stop a drifting round, pause its schedule"
     )

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
 from transformers import PreTrainedModel
+
+from tandem.fp8_blocks import write_fp8_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -199,3 +202,17 @@ def export_state_dict(
                 shutil.copy2(base_dir / name, staging / name)
 
     return _write_atomically(Path(out_dir), base_dir, dtype, write)
+
+
+def export_fp8(checkpoint: Path) -> ExportResult:
+    """A blockwise FP8 copy of ``checkpoint`` beside it (``<name>-fp8``), for engines that serve FP8
+    weights (``tandem.fp8_blocks``); the full-precision checkpoint stays what the next round trains."""
+    checkpoint = Path(checkpoint)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    if not tensors:
+        raise CheckpointError(f"{checkpoint}: no *.safetensors files")
+    return publish_folder(
+        checkpoint.parent / f"{checkpoint.name}-fp8", lambda staging: write_fp8_checkpoint(tensors, checkpoint, staging)
+    )

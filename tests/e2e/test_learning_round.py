@@ -8,6 +8,7 @@ the gateway busy while the round runs and every one of their requests must compl
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -379,3 +380,22 @@ def test_tandem_learn_cli_refuses_bad_settings_before_starting(gateway: Gateway,
 def test_round_result_is_plain_data() -> None:
     result = RoundResult("nothing_to_learn", "round-x", "m")
     assert result.seconds == {} and result.error is None
+
+
+def test_an_fp8_round_serves_a_blockwise_fp8_copy_and_keeps_training_in_full_precision(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    chat_and_rate(gateway, [("Is the sky blue?", "up"), ("Is grass blue?", "down")])
+    result = run_round(round_config(gateway, tmp_path, rollout_weights="fp8"))
+
+    assert result.status == "succeeded", result.error
+    assert {"export", "fp8", "swap"} <= set(result.seconds)
+    with gateway.sessions()() as session:
+        version = get_version(session, version_id=result.version_id)
+    served = Path(serving(gateway)["model_path"])
+    assert served == Path(f"{version.checkpoint_path}-fp8")  # the version's own checkpoint stays full precision
+    assert json.loads((served / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert any(t.dtype == torch.float8_e4m3fn for t in load_file(served / "model.safetensors").values())
+    client = gateway.client(gateway.keys["e2e"])
+    reply = client.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}])
+    assert reply.system_fingerprint == result.version_id  # the local engine serves the FP8 weights

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from server.weight_delta import read_checkpoint, tensor_sha256
+from tandem.fp8_blocks import dequantize_state_dict, fp8_block_size
 
 
 class WeightLoadError(ValueError):
@@ -17,7 +19,10 @@ class WeightLoadError(ValueError):
 
 
 def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    if fp8_block_size(_config(path)) is None:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    else:
+        model = _load_fp8(path, dtype)
     layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
     if layer_types - {DynamicLayer}:
         names = ", ".join(sorted(t.__name__ for t in layer_types))
@@ -27,9 +32,34 @@ def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedMode
     return model
 
 
+def _load_fp8(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """A blockwise FP8 checkpoint with its weights multiplied back out: the CPU has no FP8 matmuls."""
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config  # transformers' own FP8 path wants a GPU
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    tensors = read_state_dict(path)
+    check_compatible(model, tensors)
+    copy_weights(model, tensors)
+    return model
+
+
+def _config(path: Path) -> dict[str, Any]:
+    try:
+        config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # a folder of weights alone (a swap's checkpoint) is read as it is
+    return config
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint folder (single or sharded safetensors)."""
-    return read_checkpoint(path, error=WeightLoadError)
+    """All tensors of the checkpoint folder (single or sharded safetensors); those of a blockwise FP8
+    checkpoint multiplied back out to float32 (the parameters they are copied into convert them)."""
+    tensors = read_checkpoint(path, error=WeightLoadError)
+    try:
+        block = fp8_block_size(_config(path))
+        return tensors if block is None else dequantize_state_dict(tensors, torch.float32, block)
+    except ValueError as exc:
+        raise WeightLoadError(f"{path}: {exc}") from exc
 
 
 def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
