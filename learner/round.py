@@ -48,7 +48,7 @@ from learner.round_rewards import RoundRewards
 from learner.sample import Sample
 from learner.server_api import ServerApi
 from learner.sft import conversation_samples, rated_up
-from learner.trainers.checkpoint import export_fp8
+from learner.trainers.checkpoint import export_quantized
 from learner.trainers.drift import length_change
 from learner.training import TrainingRequest, run_training_child
 from learner.user_weights import user_weights
@@ -223,11 +223,11 @@ class _Round:
             self.metrics |= measured
         canary = promote and self.config.canary_share > 0
         if promote:
-            if self.config.rollout_weights == "fp8":
-                with self.timer("fp8"):
-                    served = export_fp8(checkpoint).path
-            else:
+            if self.config.rollout_weights == "same":
                 served = checkpoint
+            else:
+                with self.timer("quantize"):
+                    served = export_quantized(checkpoint, self.config.rollout_weights).path
             with self.timer("swap"):
                 promotion.roll_out(served, version_id, self.config.canary_share)
             if self.config.eval_rollout_path is not None:

@@ -27,7 +27,7 @@ __all__ = ["STAGES", "RewardSource", "RoundConfig", "RoundError", "RoundMode", "
 # In the order a round runs them; ``rollout`` only when the reward can score new text, ``evaluate``
 # only with the evaluation gate on, ``swap`` only for a candidate that passed it, ``eval_rollout``
 # only with an eval rollout plugin, after a swap.
-STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "fp8", "swap", "eval_rollout")
+STAGES = ("collect", "reward", "rollout", "train", "export", "evaluate", "quantize", "swap", "eval_rollout")
 
 RewardSource = Literal["feedback", "reward_model", "judge", "custom"]
 RoundMode = Literal["train", "rollout_only", "sft"]
@@ -116,7 +116,7 @@ class RoundConfig:
     train_timeout_s: float = 3600.0
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     canary_share: float = 0.0  # > 0: a passing version serves this share first (a base canary)
-    rollout_weights: Literal["same", "fp8"] = "same"  # fp8: the engines get a blockwise FP8 copy
+    rollout_weights: Literal["same", "fp8", "int4"] = "same"  # the engines get a quantized copy
     drift: DriftConfig = field(default_factory=DriftConfig)  # learner.trainers.drift (torch backend)
     user_weighting: UserWeighting = field(default_factory=UserWeighting)  # learner.user_weights
     # metrics, debugging and plumbing

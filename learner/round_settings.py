@@ -48,6 +48,8 @@ def train_config(settings: Settings) -> TrainConfig:
         custom_loss_path=learner.custom_loss_path,
         max_tokens_per_micro_batch=learner.max_tokens_per_device,
         backend=learner.backend,
+        qat=learner.qat,
+        qat_group_size=learner.qat_group_size,
         megatron=megatron_config(settings),
         advantage_estimator=learner.advantage_estimator,
         normalize_advantages=learner.normalize_advantages,

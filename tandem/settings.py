@@ -259,10 +259,16 @@ class LearnerSettings(_Group):
         lt=1,
         description="a new base version serves this share of sessions first, from part of the engine pool (0: none)",
     )
-    rollout_weights: Literal["same", "fp8"] = _learn(
+    qat: Literal["off", "int4"] = _learn(
+        "qat",
+        "off",
+        description="int4: train through fake INT4 weights (torch backend); pair with rollout_weights=int4",
+    )
+    qat_group_size: Literal[32, 64, 128] = _learn("qat_group_size", 128, description="INT4 group size of qat")
+    rollout_weights: Literal["same", "fp8", "int4"] = _learn(
         "rollout_weights",
         "same",
-        description="fp8: serve each new version as a blockwise FP8 copy (training stays in full precision)",
+        description="fp8 / int4: serve each new version as a quantized copy (training stays in full precision)",
     )
     drift_guard: Literal["on", "off"] = _learn(
         "drift_guard", "on", description="stop a drifting round, pause its schedule"

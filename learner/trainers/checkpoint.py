@@ -22,7 +22,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from tandem.fp8_blocks import write_fp8_checkpoint
+from tandem.quantized_weights import Format, write_quantized_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -204,15 +204,20 @@ def export_state_dict(
     return _write_atomically(Path(out_dir), base_dir, dtype, write)
 
 
-def export_fp8(checkpoint: Path) -> ExportResult:
-    """A blockwise FP8 copy of ``checkpoint`` beside it (``<name>-fp8``), for engines that serve FP8
-    weights (``tandem.fp8_blocks``); the full-precision checkpoint stays what the next round trains."""
+def export_quantized(checkpoint: Path, form: Format) -> ExportResult:
+    """A quantized copy of ``checkpoint`` beside it (``<name>-fp8``, ``<name>-int4``) for the engines
+    (``tandem.quantized_weights``); the full-precision checkpoint stays what the next round trains.
+    A copy already there (written by quantization-aware training) is kept."""
     checkpoint = Path(checkpoint)
+    out_dir = checkpoint.parent / f"{checkpoint.name}-{form}"
+    if out_dir.exists():
+        return ExportResult(path=out_dir, sha256=weights_sha256(out_dir))
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(file))
     if not tensors:
         raise CheckpointError(f"{checkpoint}: no *.safetensors files")
+    scale_dtype = checkpoint_dtype(checkpoint)
     return publish_folder(
-        checkpoint.parent / f"{checkpoint.name}-fp8", lambda staging: write_fp8_checkpoint(tensors, checkpoint, staging)
+        out_dir, lambda staging: write_quantized_checkpoint(tensors, checkpoint, staging, form, scale_dtype)
     )

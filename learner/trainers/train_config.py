@@ -67,6 +67,8 @@ class TrainConfig:
     value_clip: float = 0.2
     critic_lr: float = 1e-3  # a linear head on frozen features: the policy's lr would barely move it
     backend: Backend = "torch"
+    qat: Literal["off", "int4"] = "off"  # int4: fake-quantize linear weights in the forward (torch backend)
+    qat_group_size: int = 128  # INT4 group size: 32, 64 or 128 (what compressed-tensors kernels take)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
@@ -134,6 +136,12 @@ class TrainConfig:
             errors.append("kl_coef and opd_kl_coef must be >= 0, gamma and lambd in [0, 1]")
         if self.value_clip <= 0 or self.critic_lr <= 0:
             errors.append("value_clip and critic_lr must be > 0")
+        if self.qat not in ("off", "int4"):
+            errors.append(f"qat must be 'off' or 'int4', got {self.qat!r}")
+        if self.qat_group_size not in (32, 64, 128):
+            errors.append(f"qat_group_size must be 32, 64 or 128, got {self.qat_group_size}")
+        if self.qat != "off" and self.backend == "megatron":
+            errors.append("qat int4 is a torch-backend option (the megatron backend has no fake quantizer yet)")
         if self.token_level and self.backend == "megatron":
             errors.append(
                 "per-token advantages (reinforce_plus_plus, ppo, kl_coef, use_opd, custom_advantage_path) run on "

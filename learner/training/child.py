@@ -35,6 +35,7 @@ from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_adapter, export_checkpoint
 from learner.trainers.critic import ValueHead
 from learner.trainers.drift import DriftWatch, PolicyDrifted
+from learner.trainers.int4_qat import apply_int4_qat, remove_int4_qat, write_int4_copy
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, response_scores, train_step
 from learner.training_request import AdapterSpec, TrainingRequest
 
@@ -157,6 +158,11 @@ def _train(
         return train_megatron(request, metrics)
 
     model = load_for_training(request.base_model_dir, request.device)
+    qat = request.config.qat == "int4"
+    if qat:
+        if request.adapter is not None:
+            raise ValueError("qat int4 trains the model's own weights, not a LoRA adapter")
+        apply_int4_qat(model, checkpoint_dtype(request.base_model_dir), request.config.qat_group_size)
     ref_model = reference_model(request)
     # The trained module: the model itself, or the model frozen under a LoRA adapter.
     policy = model if request.adapter is None else _with_adapter(model, request.adapter)
@@ -196,9 +202,12 @@ def _train(
             evaluations.append(evaluate(policy, step))
     if request.adapter is not None:
         return export_adapter(policy, request.out_dir)
-    exported = export_checkpoint(
-        model, request.base_model_dir, request.out_dir, dtype=checkpoint_dtype(request.base_model_dir)
-    )
+    if qat:
+        remove_int4_qat(model)
+    dtype = checkpoint_dtype(request.base_model_dir)
+    exported = export_checkpoint(model, request.base_model_dir, request.out_dir, dtype=dtype)
+    if qat:  # the engines' INT4 copy, from the weights as they trained
+        write_int4_copy(model, exported.path, dtype, request.config.qat_group_size)
     if critic is not None:
         critic.save(exported.path)  # beside the weights, for the next round (not in their sha256)
     return exported

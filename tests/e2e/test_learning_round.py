@@ -382,20 +382,27 @@ def test_round_result_is_plain_data() -> None:
     assert result.seconds == {} and result.error is None
 
 
-def test_an_fp8_round_serves_a_blockwise_fp8_copy_and_keeps_training_in_full_precision(
-    gateway: Gateway, tmp_path: Path
+@pytest.mark.parametrize("form", ["fp8", "int4"])
+def test_a_quantized_round_serves_a_quantized_copy_and_keeps_training_in_full_precision(
+    gateway: Gateway, tmp_path: Path, form: str
 ) -> None:
     chat_and_rate(gateway, [("Is the sky blue?", "up"), ("Is grass blue?", "down")])
-    result = run_round(round_config(gateway, tmp_path, rollout_weights="fp8"))
+    # INT4 trains through the fake quantizer (groups of 32: every linear of the tiny model qualifies).
+    qat = {"qat": "int4", "qat_group_size": 32} if form == "int4" else {}
+    train = dataclasses.replace(default_train_config(), **qat)
+    result = run_round(round_config(gateway, tmp_path, rollout_weights=form, train_config=train))
 
     assert result.status == "succeeded", result.error
-    assert {"export", "fp8", "swap"} <= set(result.seconds)
+    assert {"export", "quantize", "swap"} <= set(result.seconds)
     with gateway.sessions()() as session:
         version = get_version(session, version_id=result.version_id)
     served = Path(serving(gateway)["model_path"])
-    assert served == Path(f"{version.checkpoint_path}-fp8")  # the version's own checkpoint stays full precision
-    assert json.loads((served / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
-    assert any(t.dtype == torch.float8_e4m3fn for t in load_file(served / "model.safetensors").values())
+    assert served == Path(f"{version.checkpoint_path}-{form}")  # the version's own checkpoint stays full precision
+    method = json.loads((served / "config.json").read_text())["quantization_config"]["quant_method"]
+    assert method == {"fp8": "fp8", "int4": "compressed-tensors"}[form]
+    stored = load_file(served / "model.safetensors")
+    assert any(t.dtype == torch.float8_e4m3fn for t in stored.values()) == (form == "fp8")
+    assert any(name.endswith(".weight_packed") for name in stored) == (form == "int4")
     client = gateway.client(gateway.keys["e2e"])
     reply = client.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}])
-    assert reply.system_fingerprint == result.version_id  # the local engine serves the FP8 weights
+    assert reply.system_fingerprint == result.version_id  # the local engine serves the quantized weights

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from transformers.cache_utils import DynamicLayer
 
 from server.weight_delta import read_checkpoint, tensor_sha256
-from tandem.fp8_blocks import dequantize_state_dict, fp8_block_size
+from tandem.quantized_weights import checkpoint_format, dequantize_state_dict
 
 
 class WeightLoadError(ValueError):
@@ -19,10 +19,10 @@ class WeightLoadError(ValueError):
 
 
 def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    if fp8_block_size(_config(path)) is None:
+    if _format(path) is None:
         model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     else:
-        model = _load_fp8(path, dtype)
+        model = _load_quantized(path, dtype)
     layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
     if layer_types - {DynamicLayer}:
         names = ", ".join(sorted(t.__name__ for t in layer_types))
@@ -32,10 +32,10 @@ def load_model(path: Path, *, device: str, dtype: torch.dtype) -> PreTrainedMode
     return model
 
 
-def _load_fp8(path: Path, dtype: torch.dtype) -> PreTrainedModel:
-    """A blockwise FP8 checkpoint with its weights multiplied back out: the CPU has no FP8 matmuls."""
+def _load_quantized(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """An FP8 or INT4 checkpoint with its weights multiplied back out: the CPU has no such kernels."""
     config = AutoConfig.from_pretrained(path)
-    del config.quantization_config  # transformers' own FP8 path wants a GPU
+    del config.quantization_config  # transformers' own quantized paths want a GPU or more packages
     model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     tensors = read_state_dict(path)
     check_compatible(model, tensors)
@@ -51,15 +51,23 @@ def _config(path: Path) -> dict[str, Any]:
     return config
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint folder (single or sharded safetensors); those of a blockwise FP8
-    checkpoint multiplied back out to float32 (the parameters they are copied into convert them)."""
-    tensors = read_checkpoint(path, error=WeightLoadError)
+def _format(path: Path) -> str | None:
     try:
-        block = fp8_block_size(_config(path))
-        return tensors if block is None else dequantize_state_dict(tensors, torch.float32, block)
+        return checkpoint_format(_config(path))
     except ValueError as exc:
         raise WeightLoadError(f"{path}: {exc}") from exc
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint folder (single or sharded safetensors); those of an FP8 or INT4
+    checkpoint multiplied back out to float32 (the parameters they are copied into convert them)."""
+    tensors = read_checkpoint(path, error=WeightLoadError)
+    if _format(path) is None:
+        return tensors
+    try:
+        return dequantize_state_dict(tensors, torch.float32)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise WeightLoadError(f"{path}: unreadable quantized checkpoint: {exc}") from exc
 
 
 def check_compatible(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
