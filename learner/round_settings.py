@@ -49,6 +49,7 @@ def train_config(settings: Settings) -> TrainConfig:
         max_tokens_per_micro_batch=learner.max_tokens_per_device,
         backend=learner.backend,
         qat=learner.qat,
+        optimizer_offload=learner.optimizer_offload,
         qat_group_size=learner.qat_group_size,
         megatron=megatron_config(settings),
         advantage_estimator=learner.advantage_estimator,

@@ -259,6 +259,9 @@ class LearnerSettings(_Group):
         lt=1,
         description="a new base version serves this share of sessions first, from part of the engine pool (0: none)",
     )
+    optimizer_offload: bool = _learn(
+        "optimizer_offload", False, description="keep AdamW's state on the host (torch backend): less device memory"
+    )
     qat: Literal["off", "int4"] = _learn(
         "qat",
         "off",

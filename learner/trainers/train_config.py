@@ -69,6 +69,7 @@ class TrainConfig:
     backend: Backend = "torch"
     qat: Literal["off", "int4"] = "off"  # int4: fake-quantize linear weights in the forward (torch backend)
     qat_group_size: int = 128  # INT4 group size: 32, 64 or 128 (what compressed-tensors kernels take)
+    optimizer_offload: bool = False  # AdamW's state on the host (learner.trainers.host_optimizer; torch backend)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @property
@@ -140,6 +141,8 @@ class TrainConfig:
             errors.append(f"qat must be 'off' or 'int4', got {self.qat!r}")
         if self.qat_group_size not in (32, 64, 128):
             errors.append(f"qat_group_size must be 32, 64 or 128, got {self.qat_group_size}")
+        if self.optimizer_offload and self.backend == "megatron":
+            errors.append("optimizer_offload is a torch-backend option (megatron: its distributed optimizer)")
         if self.qat != "off" and self.backend == "megatron":
             errors.append("qat int4 is a torch-backend option (the megatron backend has no fake quantizer yet)")
         if self.token_level and self.backend == "megatron":

@@ -35,6 +35,7 @@ from learner.megatron_config import check_model
 from learner.trainers.checkpoint import ExportResult, checkpoint_dtype, export_adapter, export_checkpoint
 from learner.trainers.critic import ValueHead
 from learner.trainers.drift import DriftWatch, PolicyDrifted
+from learner.trainers.host_optimizer import HostAdamW
 from learner.trainers.int4_qat import apply_int4_qat, remove_int4_qat, write_int4_copy
 from learner.trainers.torch_backend import TrainingDiverged, response_log_probs, response_scores, train_step
 from learner.training_request import AdapterSpec, TrainingRequest
@@ -172,7 +173,8 @@ def _train(
     if request.config.advantage_estimator == "ppo":  # the parent's critic, or a fresh one
         critic = ValueHead.load(request.base_model_dir, model.config.hidden_size, request.device)
         groups.append({"params": list(critic.parameters()), "lr": request.config.critic_lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=request.learning_rate, weight_decay=request.weight_decay)
+    adamw = HostAdamW if request.config.optimizer_offload else torch.optim.AdamW
+    optimizer = adamw(groups, lr=request.learning_rate, weight_decay=request.weight_decay)
     samples = list(request.samples)
     advantages = None if request.advantages is None else torch.tensor(request.advantages, dtype=torch.float32)
     old_log_probs = None
