@@ -13,6 +13,7 @@ transformers (the GPU machine has nothing else): it loads the optimizer module f
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import time
 from pathlib import Path
@@ -78,7 +79,8 @@ def run(size: str, offload: bool, tokens: int, steps: int) -> str:
     except torch.OutOfMemoryError:
         result = f"| {size} | {'host' if offload else 'device'} | out of memory | - | - | - |"
     finally:
-        model = optimizer = None  # noqa: F841  # free before the next size
+        model = optimizer = None  # free before the next size
+        gc.collect()
         torch.cuda.empty_cache()
     return result
 
