@@ -164,6 +164,28 @@ class Gateway:
         listed = httpx.get(f"{self.url}/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
         return listed.status_code == 200 and all(r["healthy"] for r in listed.json()["data"])
 
+    def busiest_replica(self) -> psutil.Process:
+        """The managed engine process serving the most requests (routing may favour one), taken at a
+        moment it serves some: a kill then cuts streams mid-way."""
+        deadline = time.monotonic() + 10
+        while True:
+            listed = httpx.get(f"{self.url}/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+            busiest = max(listed.json()["data"], key=lambda replica: replica["in_flight"])
+            if busiest["in_flight"] > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        port = busiest["id"].rsplit(":", 1)[1]
+        return next(child for child in self.engine_processes() if port in child.cmdline())
+
+    def engine_processes(self) -> list[psutil.Process]:
+        """The live `tandem engine` processes the gateway manages."""
+        engines = []
+        for child in psutil.Process(self.pid).children():
+            with contextlib.suppress(psutil.Error):  # one that just died
+                if child.status() != psutil.STATUS_ZOMBIE and "engine" in child.cmdline():
+                    engines.append(child)
+        return engines
+
     def kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signal.SIGKILL)
@@ -178,7 +200,8 @@ class Gateway:
 class Load:
     """``clients`` threads, each chatting (streamed or not) and rating every answer it gets, until stopped."""
 
-    def __init__(self, url: str, ledger: Ledger, clients: int, stream: bool) -> None:
+    def __init__(self, url: str, ledger: Ledger, clients: int, stream: bool, max_tokens: int = MAX_TOKENS) -> None:
+        self._max_tokens = max_tokens
         self._url = url
         self._ledger = ledger
         self._stream = stream
@@ -236,9 +259,16 @@ class Load:
     def _chat(self, client: openai.OpenAI, prompt: str) -> str | None:
         messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
         if not self._stream:
-            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS).id
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=self._max_tokens).id
         finished, completion_id = False, None
-        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True):
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=self._max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},  # every stream runs its full length
+        )
+        for chunk in stream:
             completion_id = chunk.id
             finished = finished or any(c.finish_reason for c in chunk.choices)
         return completion_id if finished else None  # only a stream that finished is an answer
@@ -385,12 +415,23 @@ env = {{ TANDEM_TORCH_THREADS = "1", TANDEM_LOG_LEVEL = "WARNING" }}
         gateway = Gateway(data_dir, url, engine="sglang", engine_config=str(engines), health_interval_s="2")
         gateway.start()
         try:
-            with Load(gateway.url, ledger, config.clients, stream=True):
+            deadline = time.monotonic() + 120  # the gateway answers once one replica is up: wait for both
+            while not (len(gateway.engine_processes()) == 2 and gateway.replicas_healthy()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the two engine replicas did not both become healthy; log: {gateway.log}")
+                time.sleep(0.5)
+            # 512-token streams: the kill cuts some mid-way (errors the clients see, never lost answers).
+            with Load(gateway.url, ledger, config.clients, stream=True, max_tokens=512):
                 time.sleep(config.steady_s)
-                victim = next(child for child in psutil.Process(gateway.pid).children() if "engine" in child.cmdline())
+                victim = gateway.busiest_replica()
                 os.killpg(victim.pid, signal.SIGKILL)
                 killed = time.monotonic()
-                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s, gateway.replicas_healthy)
+
+                def restarted() -> bool:  # another process in the victim's place, every replica healthy
+                    engines = gateway.engine_processes()
+                    return victim not in engines and len(engines) == 2 and gateway.replicas_healthy()
+
+                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s, restarted)
                 time.sleep(config.steady_s)
             return final_row("engine replica SIGKILL, streamed", url, ledger, recovery)
         finally:

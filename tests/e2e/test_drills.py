@@ -19,9 +19,9 @@ def config(postgres_url: str, tmp_path: Path) -> DrillConfig:
     return DrillConfig(postgres_url, tmp_path, clients=2, fault_s=4.0, steady_s=3.0, recovery_timeout_s=60.0)
 
 
-def held(row: Row) -> None:
+def held(row: Row, acknowledged: int = 20) -> None:
     print(" | ".join(row.cells()))
-    assert row.acknowledged > 20, row
+    assert row.acknowledged > acknowledged, row
     assert (row.lost, row.duplicated) == (0, 0), row
     assert row.recovery_s is not None, row
 
@@ -36,9 +36,9 @@ def test_gateway_sigkill_under_load(config: DrillConfig, stream: bool) -> None:
 @pytest.mark.timeout(600)  # two engine processes start first
 def test_engine_replica_sigkill_under_load(config: DrillConfig) -> None:
     row = engine_kill(config)
-    held(row)
-    # Only the streams on the killed replica fail (an error event, never a hang or a 500 before the stream).
-    assert set(row.failures) <= {"connection", "incomplete stream", "503"}, row
+    held(row, acknowledged=5)  # 512-token streams: fewer, longer requests
+    # Only streams under way on the killed replica fail (cut mid-way); new requests go to the other.
+    assert set(row.failures) <= {"connection", "incomplete stream"}, row
 
 
 def test_postgres_unreachable_under_load(config: DrillConfig) -> None:
