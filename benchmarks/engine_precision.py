@@ -3,8 +3,8 @@
     .venv/bin/python -m benchmarks.engine_precision [--model smollm2-135m-instruct] [--tokens 48]
 
 For each variant of the model (fp32 with oneDNN-packed linears, as the local engine serves; bf16
-weights and activations; int8 dynamic quantization of the linear layers, torch.ao's per-tensor
-default), on the eight chat prompts of ``benchmarks.engine_decode``: the share of fp32's greedy
+weights and activations; weight-only int8 linears with bf16 inputs, as ``TANDEM_LINEAR_WEIGHTS=int8``
+serves; int8 dynamic quantization of the linear layers, torch.ao's per-tensor default), on the eight chat prompts of ``benchmarks.engine_decode``: the share of fp32's greedy
 tokens the variant reproduces before its first different token, and the mean absolute difference
 of the log-probability it gives fp32's greedy tokens (teacher-forced, nats per token).
 """
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.common import console, load_model_and_tokenizer, model_arg, progress
 from benchmarks.engine_decode import chat_prompts
+from server.engines.local.int8_linear import int8_linears
 from server.engines.local.packed_linear import pack_linears
 
 
@@ -38,6 +39,7 @@ def int8_dynamic(model: nn.Module) -> nn.Module:
 VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "fp32, packed linears": packed,
     "bf16": lambda model: model.to(torch.bfloat16),
+    "int8 weights (linears), as served": lambda model: (int8_linears(model), model)[1],
     "int8 dynamic (linears)": int8_dynamic,
 }
 

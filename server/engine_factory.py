@@ -37,6 +37,7 @@ async def open_local_engine(settings: Settings, model_path: Path, *, weight_vers
         max_queued_requests=settings.engine.max_queued_requests,
         prefix_cache_bytes=settings.engine.prefix_cache_bytes,
         packed_linears=settings.engine.packed_linears,
+        linear_weights=settings.engine.linear_weights,
         adapter_cache_bytes=settings.adapters.cache_bytes,
         weight_version=weight_version,
     )

@@ -143,6 +143,10 @@ class EngineSettings(_Group):
         True,
         description="local engine on the CPU: oneDNN-packed weight copies (faster decode, linear weights held twice)",
     )
+    linear_weights: Literal["float", "int8"] = Field(
+        "float",
+        description="local engine on the CPU: int8 = weight-only int8 linears (about 1.9x batch-1 decode, answers change slightly)",
+    )
     tool_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto",
         description="how tool calls are read from the model's text; auto: from the chat template (docs/tools.md)",

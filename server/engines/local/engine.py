@@ -26,7 +26,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -42,6 +42,7 @@ from server.engines.base import (
     TokenChunk,
 )
 from server.engines.local.grammar import GrammarError
+from server.engines.local.int8_linear import int8_linears
 from server.engines.local.lora import Adapter, AdapterCache
 from server.engines.local.model_runner import ModelRunner
 from server.engines.local.packed_linear import pack_linears
@@ -77,12 +78,15 @@ class LocalEngine:
         adapter_cache_bytes: int = 256 << 20,
         torch_threads: int = 0,
         packed_linears: bool = True,
+        linear_weights: Literal["float", "int8"] = "float",
         replica: str = "local-0",
     ) -> None:
         self.replica = replica
         self._model = model
-        # The rows oneDNN packs the linear weights for; 0: they stay plain (off, or not on the CPU).
-        self._pack_rows = max_batch_size if packed_linears and model.device.type == "cpu" else 0
+        on_cpu = model.device.type == "cpu"
+        self._int8 = linear_weights == "int8" and on_cpu  # server.engines.local.int8_linear
+        # The rows oneDNN packs the linear weights for; 0: they stay plain (off, int8, or not on the CPU).
+        self._pack_rows = max_batch_size if packed_linears and on_cpu and not self._int8 else 0
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
         self._torch_threads = torch_threads
@@ -268,6 +272,8 @@ class LocalEngine:
             torch.set_num_threads(self._torch_threads)
         if self._pack_rows:  # here: packing runs torch kernels (server.engines.local.torch_threads)
             pack_linears(self._model, rows_hint=self._pack_rows)
+        if self._int8:
+            int8_linears(self._model)
         with torch.inference_mode():
             while True:
                 with self._cond:
