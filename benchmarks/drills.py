@@ -46,7 +46,7 @@ from psycopg import sql
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import make_url
 
-from benchmarks.common import console, free_port, model_path
+from benchmarks.common import console, free_port, model_path, tenant_key
 from storage.models import Completion, FeedbackEvent
 from tests.fixtures.small_disk import fill, small_disk
 from tests.fixtures.tcp_proxy import TcpProxy
@@ -136,6 +136,8 @@ class Gateway:
             "TANDEM_ADMIN_KEY": ADMIN_KEY,
             **{f"TANDEM_{name.upper()}": value for name, value in settings.items()},
         }
+        # A tenant key: the database may hold keys already (a shared one), and then nothing is keyless.
+        self.key = tenant_key(database_url)
         self._process: subprocess.Popen[bytes] | None = None
         self.log = data_dir.parent / f"{data_dir.name}-gateway.log"  # outside the data folder: it may be full
 
@@ -149,7 +151,10 @@ class Gateway:
             if self._process.poll() is not None:
                 raise RuntimeError(f"tandem serve exited:\n{self.log.read_text(errors='replace')[-3000:]}")
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{self.url}/v1/models", timeout=2)
+                models = urllib.request.Request(
+                    f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"}
+                )
+                urllib.request.urlopen(models, timeout=2)
                 return
             time.sleep(0.2)
         self.kill()
@@ -200,9 +205,11 @@ class Gateway:
 class Load:
     """``clients`` threads, each chatting (streamed or not) and rating every answer it gets, until stopped."""
 
-    def __init__(self, url: str, ledger: Ledger, clients: int, stream: bool, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(
+        self, gateway: Gateway, ledger: Ledger, clients: int, stream: bool, max_tokens: int = MAX_TOKENS
+    ) -> None:
+        self._gateway = gateway
         self._max_tokens = max_tokens
-        self._url = url
         self._ledger = ledger
         self._stream = stream
         self._stop = threading.Event()
@@ -219,7 +226,7 @@ class Load:
             thread.join(timeout=60)
 
     def _client(self, index: int) -> None:
-        client = openai.OpenAI(base_url=f"{self._url}/v1", api_key="drill", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=f"{self._gateway.url}/v1", api_key=self._gateway.key, max_retries=0, timeout=30)
         turn = 0
         while not self._stop.is_set():
             turn += 1
@@ -360,7 +367,7 @@ def gateway_kill(config: DrillConfig, stream: bool) -> Row:
         gateway = Gateway(config.workdir / f"kill-{ledger.tag}", url)
         gateway.start()
         try:
-            with Load(gateway.url, ledger, config.clients, stream):
+            with Load(gateway, ledger, config.clients, stream):
                 time.sleep(config.steady_s)
                 gateway.kill()
                 killed = time.monotonic()
@@ -378,7 +385,7 @@ def postgres_down(config: DrillConfig) -> Row:
         gateway = Gateway(config.workdir / f"pg-{ledger.tag}", url)
         gateway.start()
         try:
-            with Load(gateway.url, ledger, config.clients, stream=False):
+            with Load(gateway, ledger, config.clients, stream=False):
                 time.sleep(config.steady_s)
                 proxy.stop()
                 time.sleep(config.fault_s)
@@ -421,7 +428,7 @@ env = {{ TANDEM_TORCH_THREADS = "1", TANDEM_LOG_LEVEL = "WARNING" }}
                     raise RuntimeError(f"the two engine replicas did not both become healthy; log: {gateway.log}")
                 time.sleep(0.5)
             # 512-token streams: the kill cuts some mid-way (errors the clients see, never lost answers).
-            with Load(gateway.url, ledger, config.clients, stream=True, max_tokens=512):
+            with Load(gateway, ledger, config.clients, stream=True, max_tokens=512):
                 time.sleep(config.steady_s)
                 victim = gateway.busiest_replica()
                 os.killpg(victim.pid, signal.SIGKILL)
@@ -445,7 +452,7 @@ def disk_full(config: DrillConfig) -> Row:
         gateway = Gateway(data_dir, url)
         gateway.start()
         try:
-            with Load(gateway.url, ledger, config.clients, stream=False):
+            with Load(gateway, ledger, config.clients, stream=False):
                 time.sleep(config.steady_s)
                 filler = fill(journal)
                 time.sleep(config.fault_s)
