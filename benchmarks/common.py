@@ -96,17 +96,27 @@ def start(args: list[str], env: dict[str, str], url: str, cwd: Path | None = Non
         process = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args], env=env, stdout=out, stderr=out, cwd=cwd
         )
-    deadline = time.monotonic() + 300  # a gateway that launches SGLang waits for it
+    # A gateway that launches SGLang waits for it.
+    return wait_until_answering(process, url, log, what=f"tandem {args[0]}", timeout_s=300)
+
+
+def wait_until_answering(
+    process: subprocess.Popen[bytes], url: str | urllib.request.Request, log: Path, *, what: str, timeout_s: float
+) -> subprocess.Popen[bytes]:
+    """``process`` once ``url`` answers (a Request: with its headers, a key say); killed, and its log's
+    tail raised, if it exits or takes too long."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"tandem {args[0]} exited:\n{log.read_text(errors='replace')[-2000:]}")
+            raise RuntimeError(f"{what} exited:\n{log.read_text(errors='replace')[-2000:]}")
         try:
             urllib.request.urlopen(url, timeout=1)
             return process
         except OSError:
             time.sleep(0.3)
     process.kill()
-    raise RuntimeError(f"tandem {args[0]} did not answer {url} within 300 s; log: {log}")
+    shown = url.full_url if isinstance(url, urllib.request.Request) else url
+    raise RuntimeError(f"{what} did not answer {shown} within {timeout_s:.0f} s; log: {log}")
 
 
 def start_engine(

@@ -41,17 +41,15 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
-import psycopg
-from psycopg import sql
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import make_url
 
-from benchmarks.common import console, free_port, model_path, tenant_key
+from benchmarks.common import console, free_port, model_path, tenant_key, wait_until_answering
+from benchmarks.drill import postgres_database
 from storage.models import Completion, FeedbackEvent
 from tests.fixtures.small_disk import fill, small_disk
 from tests.fixtures.tcp_proxy import TcpProxy
 
-POSTGRES_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test connect_timeout=5"
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
 ADMIN_KEY = "drill-admin-key"
@@ -146,19 +144,8 @@ class Gateway:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "serve"], env=self._env, stdout=out, stderr=out, cwd=ROOT
             )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"tandem serve exited:\n{self.log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(OSError):
-                models = urllib.request.Request(
-                    f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"}
-                )
-                urllib.request.urlopen(models, timeout=2)
-                return
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"tandem serve did not answer within 120 s; log: {self.log}")
+        models = urllib.request.Request(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.key}"})
+        wait_until_answering(self._process, models, self.log, what="tandem serve", timeout_s=120)
 
     @property
     def pid(self) -> int:
@@ -360,42 +347,68 @@ class DrillConfig:
     recovery_timeout_s: float = 60.0
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What a drill does to the running system, under load: ``inject`` breaks something and returns
+    once it is mended (its end is when recovery is timed from); ``repaired``: what else must hold,
+    beyond answers and stored records, before it counts as recovered."""
+
+    inject: Callable[[], None]
+    repaired: Callable[[], bool] = lambda: True
+
+
+def drill(
+    config: DrillConfig,
+    name: str,
+    gateway: Gateway,
+    url: str,
+    ledger: Ledger,
+    fault: Fault,
+    *,
+    stream: bool = False,
+    max_tokens: int = MAX_TOKENS,
+    ready: Callable[[], None] = lambda: None,
+) -> Row:
+    """Start ``gateway``, wait for ``ready``, load it, inject ``fault`` between two steady spells,
+    stop it and audit: the drill's row."""
+    gateway.start()
+    try:
+        ready()
+        with Load(gateway, ledger, config.clients, stream, max_tokens):
+            time.sleep(config.steady_s)
+            fault.inject()
+            ended = time.monotonic()
+            recovery = recovery_seconds(url, ledger, ended, config.recovery_timeout_s, fault.repaired)
+            time.sleep(config.steady_s)
+        return final_row(name, url, ledger, recovery)
+    finally:
+        gateway.stop()
+
+
 def gateway_kill(config: DrillConfig, stream: bool) -> Row:
-    name = "gateway-kill, " + ("streamed" if stream else "plain")
     ledger = Ledger(f"drill-{secrets.token_hex(4)}")
     with proxied(config.database_url) as (url, _):
         gateway = Gateway(config.workdir / f"kill-{ledger.tag}", url)
-        gateway.start()
-        try:
-            with Load(gateway, ledger, config.clients, stream):
-                time.sleep(config.steady_s)
-                gateway.kill()
-                killed = time.monotonic()
-                gateway.start()  # replays its journal
-                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s)
-                time.sleep(config.steady_s)
-            return final_row(name, url, ledger, recovery)
-        finally:
-            gateway.stop()
+
+        def kill_and_restart() -> None:
+            gateway.kill()
+            gateway.start()  # replays its journal
+
+        name = "gateway-kill, " + ("streamed" if stream else "plain")
+        return drill(config, name, gateway, url, ledger, Fault(kill_and_restart), stream=stream)
 
 
 def postgres_down(config: DrillConfig) -> Row:
     ledger = Ledger(f"drill-{secrets.token_hex(4)}")
     with proxied(config.database_url) as (url, proxy):
         gateway = Gateway(config.workdir / f"pg-{ledger.tag}", url)
-        gateway.start()
-        try:
-            with Load(gateway, ledger, config.clients, stream=False):
-                time.sleep(config.steady_s)
-                proxy.stop()
-                time.sleep(config.fault_s)
-                proxy.start()
-                back = time.monotonic()
-                recovery = recovery_seconds(url, ledger, back, config.recovery_timeout_s)
-                time.sleep(config.steady_s)
-            return final_row(f"postgres-down {config.fault_s:.0f} s", url, ledger, recovery)
-        finally:
-            gateway.stop()
+
+        def outage() -> None:
+            proxy.stop()
+            time.sleep(config.fault_s)
+            proxy.start()
+
+        return drill(config, f"postgres-down {config.fault_s:.0f} s", gateway, url, ledger, Fault(outage))
 
 
 def engine_kill(config: DrillConfig) -> Row:
@@ -420,49 +433,42 @@ env = {{ TANDEM_TORCH_THREADS = "1", TANDEM_LOG_LEVEL = "WARNING" }}
     with proxied(config.database_url) as (url, _):
         # A 2 s probe: a shorter one can time out on a busy engine on 2 cores and eject a healthy replica.
         gateway = Gateway(data_dir, url, engine="sglang", engine_config=str(engines), health_interval_s="2")
-        gateway.start()
-        try:
-            deadline = time.monotonic() + 120  # the gateway answers once one replica is up: wait for both
-            while not (len(gateway.engine_processes()) == 2 and gateway.replicas_healthy()):
+        killed: list[psutil.Process] = []
+
+        def both_healthy() -> bool:
+            return len(gateway.engine_processes()) == 2 and gateway.replicas_healthy()
+
+        def wait_for_both() -> None:  # the gateway answers once one replica is up
+            deadline = time.monotonic() + 120
+            while not both_healthy():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the two engine replicas did not both become healthy; log: {gateway.log}")
                 time.sleep(0.5)
-            # 512-token streams: the kill cuts some mid-way (errors the clients see, never lost answers).
-            with Load(gateway, ledger, config.clients, stream=True, max_tokens=512):
-                time.sleep(config.steady_s)
-                victim = gateway.busiest_replica()
-                os.killpg(victim.pid, signal.SIGKILL)
-                killed = time.monotonic()
 
-                def restarted() -> bool:  # another process in the victim's place, every replica healthy
-                    engines = gateway.engine_processes()
-                    return victim not in engines and len(engines) == 2 and gateway.replicas_healthy()
+        def kill_busiest() -> None:
+            killed.append(gateway.busiest_replica())
+            os.killpg(killed[0].pid, signal.SIGKILL)
 
-                recovery = recovery_seconds(url, ledger, killed, config.recovery_timeout_s, restarted)
-                time.sleep(config.steady_s)
-            return final_row("engine replica SIGKILL, streamed", url, ledger, recovery)
-        finally:
-            gateway.stop()
+        def restarted() -> bool:  # another process in the victim's place, every replica healthy
+            return killed[0] not in gateway.engine_processes() and both_healthy()
+
+        # 512-token streams: the kill cuts some mid-way (errors the clients see, never lost answers).
+        fault = Fault(kill_busiest, restarted)
+        name = "engine replica SIGKILL, streamed"
+        return drill(config, name, gateway, url, ledger, fault, stream=True, max_tokens=512, ready=wait_for_both)
 
 
 def disk_full(config: DrillConfig) -> Row:
     ledger = Ledger(f"drill-{secrets.token_hex(4)}")
     data_dir = config.workdir / f"disk-{ledger.tag}"
     with small_disk(data_dir / "journal") as journal, proxied(config.database_url) as (url, _):
-        gateway = Gateway(data_dir, url)
-        gateway.start()
-        try:
-            with Load(gateway, ledger, config.clients, stream=False):
-                time.sleep(config.steady_s)
-                filler = fill(journal)
-                time.sleep(config.fault_s)
-                filler.unlink()
-                freed = time.monotonic()
-                recovery = recovery_seconds(url, ledger, freed, config.recovery_timeout_s)
-                time.sleep(config.steady_s)
-            return final_row(f"disk-full {config.fault_s:.0f} s", url, ledger, recovery)
-        finally:
-            gateway.stop()
+
+        def full() -> None:
+            filler = fill(journal)
+            time.sleep(config.fault_s)
+            filler.unlink()
+
+        return drill(config, f"disk-full {config.fault_s:.0f} s", Gateway(data_dir, url), url, ledger, Fault(full))
 
 
 def run_all(config: DrillConfig) -> list[Row]:
@@ -487,17 +493,6 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def fresh_postgres_database() -> Iterator[str]:
-    name = f"tandem_drills_{secrets.token_hex(4)}"
-    with psycopg.connect(POSTGRES_ADMIN_DSN, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-        finally:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients, each chatting and rating")
@@ -506,7 +501,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-drills"))
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    with fresh_postgres_database() as database_url:
+    with postgres_database() as database_url:
         config = DrillConfig(database_url, args.workdir, args.clients, args.fault_s, args.steady_s)
         rows = run_all(config)
     print(markdown(rows))

@@ -32,7 +32,7 @@ import aiohttp
 import orjson
 from transformers import AutoTokenizer
 
-from benchmarks.common import console, model_arg, model_path, percentile, progress, start
+from benchmarks.common import console, model_arg, model_path, percentile, progress, start, wait_until_answering
 from server.engines.launch_plan import load_launch_config, serving_urls
 from tests.support.uvicorn_thread import free_port
 
@@ -135,17 +135,7 @@ def start_litellm(engine_url: str, engine_model: str, data_dir: Path) -> tuple[s
             stderr=out,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"litellm exited:\n{log.read_text(errors='replace')[-2000:]}")
-        try:
-            urllib.request.urlopen(url + "/health/liveliness", timeout=1)
-            return process, url
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"litellm did not answer within 180 s; log: {log}")
+    return wait_until_answering(process, url + "/health/liveliness", log, what="litellm", timeout_s=180), url
 
 
 def served_model(url: str) -> str:

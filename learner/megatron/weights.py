@@ -12,29 +12,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from learner.megatron.hf_convert import num_experts, to_hf, to_megatron
 from learner.megatron.sharding import RankPosition, merge, shard
 from learner.megatron_config import MegatronConfig
+from learner.trainers.checkpoint import read_hf_weights
 
-__all__ = ["gather_hf_weights", "load_hf_weights", "read_hf_weights"]
-
-
-def read_hf_weights(model_dir: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint folder's ``*.safetensors`` files, by name.
-
-    Raises:
-        FileNotFoundError: the folder holds no safetensors file.
-    """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-    state: dict[str, Tensor] = {}
-    for file in files:
-        state |= load_file(file)
-    return state
+__all__ = ["gather_hf_weights", "load_hf_weights"]
 
 
 def _position() -> RankPosition:

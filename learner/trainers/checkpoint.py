@@ -212,12 +212,23 @@ def export_quantized(checkpoint: Path, form: Format) -> ExportResult:
     out_dir = checkpoint.parent / f"{checkpoint.name}-{form}"
     if out_dir.exists():
         return ExportResult(path=out_dir, sha256=weights_sha256(out_dir))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    if not tensors:
-        raise CheckpointError(f"{checkpoint}: no *.safetensors files")
+    tensors = read_hf_weights(checkpoint)
     scale_dtype = checkpoint_dtype(checkpoint)
     return publish_folder(
         out_dir, lambda staging: write_quantized_checkpoint(tensors, checkpoint, staging, form, scale_dtype)
     )
+
+
+def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder's ``*.safetensors`` files, by name.
+
+    Raises:
+        FileNotFoundError: the folder holds no safetensors file.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state |= load_file(file)
+    return state

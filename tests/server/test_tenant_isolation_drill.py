@@ -32,19 +32,29 @@ def spec(gateway: Gateway) -> dict[str, Any]:
     return spec
 
 
+def ask_in_the_shared_session(gateway: Gateway, tenant: str) -> str:
+    """The same question, end user and session id, as ``tenant``: the answer's id."""
+    return (
+        gateway.client(gateway.keys[tenant])
+        .chat.completions.create(
+            model=gateway.model,
+            messages=[{"role": "user", "content": "acme's secret plan"}],
+            max_tokens=3,
+            user="shared-end-user",
+            extra_headers=SESSION,
+        )
+        .id
+    )
+
+
 @pytest.fixture(scope="module")
 def a_answer(gateway: Gateway) -> str:
     """Tenant A's rated answer in a session; its id is what B tries everywhere."""
-    a = gateway.client(gateway.keys["acme"])
-    answer = a.chat.completions.create(
-        model=gateway.model,
-        messages=[{"role": "user", "content": "acme's secret plan"}],
-        max_tokens=3,
-        user="shared-end-user",
-        extra_headers=SESSION,
+    answer = ask_in_the_shared_session(gateway, "acme")
+    gateway.client(gateway.keys["acme"]).post(
+        "/feedback", cast_to=object, body={"completion_id": answer, "rating": "up"}
     )
-    a.post("/feedback", cast_to=object, body={"completion_id": answer.id, "rating": "up"})
-    return answer.id
+    return answer
 
 
 def test_the_drill_knows_every_route(spec: dict[str, Any]) -> None:
@@ -71,15 +81,8 @@ def test_another_tenants_completion_is_indistinguishable_from_a_missing_one(gate
 
 
 def test_the_same_session_id_in_another_tenant_starts_its_own_session(gateway: Gateway, a_answer: str) -> None:
-    b = gateway.client(gateway.keys["globex"])
-    answer = b.chat.completions.create(
-        model=gateway.model,
-        messages=[{"role": "user", "content": "acme's secret plan"}],
-        max_tokens=3,
-        user="shared-end-user",
-        extra_headers=SESSION,
-    )
-    theirs = b.get(f"/completions/{answer.id}", cast_to=object)
+    answer = ask_in_the_shared_session(gateway, "globex")
+    theirs = gateway.client(gateway.keys["globex"]).get(f"/completions/{answer}", cast_to=object)
     ours = gateway.client(gateway.keys["acme"]).get(f"/completions/{a_answer}", cast_to=object)
     assert theirs["turn_index"] == 0 and theirs["previous_completion_id"] is None  # type: ignore[index]
     assert ours["turn_index"] == 0  # type: ignore[index]
