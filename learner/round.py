@@ -227,7 +227,7 @@ class _Round:
                 served = checkpoint
             else:
                 with self.timer("quantize"):
-                    served = export_quantized(checkpoint, self.config.rollout_weights).path
+                    served = export_quantized(checkpoint, self.config.rollout_weights)
             with self.timer("swap"):
                 promotion.roll_out(served, version_id, self.config.canary_share)
             if self.config.eval_rollout_path is not None:

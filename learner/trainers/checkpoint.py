@@ -204,19 +204,20 @@ def export_state_dict(
     return _write_atomically(Path(out_dir), base_dir, dtype, write)
 
 
-def export_quantized(checkpoint: Path, form: Format) -> ExportResult:
+def export_quantized(checkpoint: Path, form: Format) -> Path:
     """A quantized copy of ``checkpoint`` beside it (``<name>-fp8``, ``<name>-int4``) for the engines
     (``tandem.quantized_weights``); the full-precision checkpoint stays what the next round trains.
     A copy already there (written by quantization-aware training) is kept."""
     checkpoint = Path(checkpoint)
     out_dir = checkpoint.parent / f"{checkpoint.name}-{form}"
     if out_dir.exists():
-        return ExportResult(path=out_dir, sha256=weights_sha256(out_dir))
+        return out_dir
     tensors = read_hf_weights(checkpoint)
     scale_dtype = checkpoint_dtype(checkpoint)
-    return publish_folder(
+    written = publish_folder(
         out_dir, lambda staging: write_quantized_checkpoint(tensors, checkpoint, staging, form, scale_dtype)
     )
+    return written.path
 
 
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
