@@ -21,6 +21,10 @@ SHAPES: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
     "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
              "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "3b": {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False},
 }  # fmt: skip
 
 

@@ -38,9 +38,15 @@ from learner.trainers import TrainConfig
 DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 
-def build_checkpoint(shape: str, dtype: torch.dtype, folder: Path) -> int:
-    """A random Qwen2 of ``shape`` saved in ``folder``; its parameter count."""
-    return sum(p.numel() for p in random_qwen2(shape, folder, dtype=dtype).parameters())
+def build_checkpoint(shape: str, dtype: torch.dtype, folder: Path, device: str = "cpu") -> int:
+    """A random Qwen2 of ``shape`` saved in ``folder`` (initialised on ``device``: a 7B shape takes
+    minutes on the host); its parameter count."""
+    model = random_qwen2(shape, folder, dtype=dtype, device=device)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return params
 
 
 def make_samples(batch: int, seq: int, vocab: int) -> list[Sample]:
@@ -132,7 +138,7 @@ def megatron_backend(
     from learner.megatron.runtime import parallel
     from learner.megatron_config import MegatronConfig
 
-    layout = MegatronConfig(bf16=args.dtype == "bf16")
+    layout = MegatronConfig(**{"bf16": args.dtype == "bf16", **json.loads(args.megatron)})
     with parallel(layout):
         policy = MegatronPolicy(folder, layout, optimizer=OptimizerSettings(learning_rate=1e-6))
         return timed_steps(lambda: policy.train_step(samples, config), args.warmup, args.steps, args.device)
@@ -155,6 +161,11 @@ def main() -> None:
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--backends", default="torch,megatron")
+    parser.add_argument(
+        "--megatron",
+        default="{}",
+        help='MegatronConfig fields as JSON, e.g. \'{"distributed_optimizer": true, "optimizer_cpu_offload": true}\'',
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step first")
     parser.add_argument("--trace", help="with --profile: save two steps as a Chrome trace here (no Python stacks)")
@@ -173,9 +184,11 @@ def main() -> None:
     report["micro_batch_tokens"] = config.max_tokens_per_micro_batch
     with tempfile.TemporaryDirectory(prefix="tandem-throughput-") as scratch:
         folder = Path(scratch)
-        report["params"] = params = build_checkpoint(args.shape, DTYPES[args.dtype], folder)
+        report["params"] = params = build_checkpoint(args.shape, DTYPES[args.dtype], folder, args.device)
         print(f"{args.shape}: {params / 1e6:.1f} M params, {args.batch} x {args.seq} tokens per step, {args.dtype}")
         for name in args.backends.split(","):
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             try:
                 result = BACKENDS[name](folder, samples, config, args)
             except Exception as exc:  # a benchmark run reports a failing backend and goes on
@@ -186,12 +199,15 @@ def main() -> None:
                 gc.collect()
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
+            if args.device == "cuda":
+                result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             tokens_per_s = tokens_per_step / result["s_per_step"]
             result |= {"tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / (args.peak_tflops * 1e12)}
             report[name] = result
             print(
                 f"{name:>9}: {result['s_per_step']:.3f} s/step, {tokens_per_s:,.0f} tokens/s, "
                 f"MFU {result['mfu']:.1%}, loss {result['loss']:.4f}"
+                + (f", peak {result['peak_gib']:.1f} GiB" if "peak_gib" in result else "")
             )
     both = [report.get(n, {}).get("tokens_per_s") for n in ("megatron", "torch")]
     if all(both):

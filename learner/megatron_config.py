@@ -60,6 +60,9 @@ class MegatronConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     optimizer_cpu_offload: bool = False
+    # Of the optimizer state, the share on the host with optimizer_cpu_offload (megatron's hybrid
+    # optimizer steps the rest on the GPU): below 1 when the GPU has room, as the host step is slower.
+    optimizer_offload_fraction: float = 1.0
     recompute: Recompute = "none"
     recompute_num_layers: int = 1  # with recompute="full": layers per recomputed chunk
     bf16: bool = False
@@ -119,6 +122,8 @@ class MegatronConfig:
             )
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
             errors.append("optimizer_cpu_offload needs distributed_optimizer (megatron offloads the sharded state)")
+        if not 0.0 < self.optimizer_offload_fraction <= 1.0:
+            errors.append(f"optimizer_offload_fraction must be in (0, 1], got {self.optimizer_offload_fraction}")
         if self.recompute not in get_args(Recompute):
             errors.append(f"recompute must be one of {get_args(Recompute)}, got {self.recompute!r}")
         if self.recompute != "full" and self.recompute_num_layers != 1:

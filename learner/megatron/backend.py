@@ -160,7 +160,8 @@ class MegatronPolicy:
             params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
             use_distributed_optimizer=config.distributed_optimizer,
             optimizer_cpu_offload=config.optimizer_cpu_offload,
-            optimizer_offload_fraction=1.0 if config.optimizer_cpu_offload else 0.0,
+            optimizer_offload_fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+            overlap_cpu_optimizer_d2h_h2d=config.optimizer_cpu_offload,  # copies on their own CUDA streams
         )
         install_multi_tensor_kernels()
         with cuda_as_cpu():

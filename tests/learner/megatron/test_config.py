@@ -65,6 +65,8 @@ def test_a_custom_loss_is_refused_with_context_parallel() -> None:
             "sequence_parallel needs TransformerEngine or Apex",
         ),
         ({"optimizer_cpu_offload": True}, "optimizer_cpu_offload needs distributed_optimizer"),
+        ({"optimizer_offload_fraction": 0.0}, "optimizer_offload_fraction must be in (0, 1], got 0.0"),
+        ({"optimizer_offload_fraction": 1.5}, "optimizer_offload_fraction must be in (0, 1], got 1.5"),
         ({"recompute": "sometimes"}, "recompute must be one of"),
         ({"recompute_num_layers": 2}, "recompute_num_layers applies only to recompute='full'"),
         ({"tensor_parallel": 0}, "sizes must be integers >= 1 (tensor_parallel=0)"),
