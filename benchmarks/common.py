@@ -59,13 +59,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tenant_key(database_url: str) -> str:
-    """A tenant API key for the simulated users (their traffic, like anyone's, needs one)."""
+def tenant_key(database_url: str, tenant: str = "simulated-users") -> str:
+    """An API key of ``tenant`` for simulated users (their traffic, like anyone's, needs one)."""
     upgrade(database_url)
     engine = make_engine(database_url)
     try:
         with make_session_factory(engine).begin() as session:
-            plaintext, _ = create_api_key(session, tenant_name="simulated-users", name="benchmark")
+            plaintext, _ = create_api_key(session, tenant_name=tenant, name="benchmark")
     finally:
         engine.dispose()
     return plaintext

@@ -10,6 +10,8 @@ can cut) with clients that chat (plain or streamed) and rate every answer they g
 - postgres-down: the proxy refuses and cuts every PostgreSQL connection for ``fault_s``.
 - disk-full: the journal's disk (a tmpfs of its own, so this needs root) fills up for ``fault_s``,
   then the filler is deleted.
+- tenant flood: tenant B's chat latencies alone and while tenant A keeps many chats in flight (a
+  table of its own: p50 and p99 of each, and the ratio of the p99s).
 
 Columns: sent (chat and rating requests), acknowledged (answers received whole, ratings answered
 201), lost (acknowledged but not in the database once the gateway has flushed), duplicated (a request
@@ -44,7 +46,7 @@ import psutil
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import make_url
 
-from benchmarks.common import console, free_port, model_path, tenant_key, wait_until_answering
+from benchmarks.common import console, free_port, model_path, percentile, tenant_key, wait_until_answering
 from benchmarks.drill import postgres_database
 from storage.models import Completion, FeedbackEvent
 from tests.fixtures.small_disk import fill, small_disk
@@ -116,7 +118,7 @@ HEADER = ["drill", "sent", "acknowledged", "lost", "duplicated", "non-2xx", "rec
 class Gateway:
     """`tandem serve` of the tiny model on a fixed port, so clients find it again after a restart."""
 
-    def __init__(self, data_dir: Path, database_url: str, **settings: str) -> None:
+    def __init__(self, data_dir: Path, database_url: str, model: str | None = None, **settings: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -125,7 +127,7 @@ class Gateway:
             "PYTHONPATH": str(ROOT),
             "TANDEM_DATA_DIR": str(data_dir),
             "TANDEM_DATABASE_URL": database_url,
-            "TANDEM_MODEL": str(model_path("tiny")),
+            "TANDEM_MODEL": model or str(model_path("tiny")),
             "TANDEM_SERVED_MODEL_NAME": MODEL,
             "TANDEM_PORT": str(self.port),
             "TANDEM_LEARNER": "off",
@@ -471,6 +473,97 @@ def disk_full(config: DrillConfig) -> Row:
         return drill(config, f"disk-full {config.fault_s:.0f} s", Gateway(data_dir, url), url, ledger, Fault(full))
 
 
+@dataclass(frozen=True)
+class Flood:
+    """Tenant B's chat latencies alone and while tenant A floods the gateway."""
+
+    alone: list[float]
+    during: list[float]
+    flood_answered: int
+    flood_failures: dict[str, int]
+    b_failures: int
+
+    @property
+    def p99_ratio(self) -> float:
+        return percentile(self.during, 99) / percentile(self.alone, 99)
+
+    def cells(self) -> list[str]:
+        refused = ", ".join(f"{n} x {kind}" for kind, n in sorted(self.flood_failures.items())) or "none"
+        return [
+            f"{percentile(self.alone, 50):.3f} / {percentile(self.alone, 99):.3f} s ({len(self.alone)})",
+            f"{percentile(self.during, 50):.3f} / {percentile(self.during, 99):.3f} s ({len(self.during)})",
+            f"{self.p99_ratio:.2f}x",
+            str(self.b_failures),
+            f"{self.flood_answered} answered, refused: {refused}",
+        ]
+
+
+FLOOD_HEADER = ["tenant B alone: p50 / p99", "while A floods: p50 / p99", "p99 ratio", "B failed", "tenant A"]
+
+
+def tenant_flood(config: DrillConfig, flooders: int = 64, flood_tokens: int = 64, model: str = "tiny") -> Flood:
+    """Tenant B chats one request after another (8 tokens) for ``steady_s`` alone, then for as long
+    again while tenant A keeps ``flooders`` chats of ``flood_tokens`` tokens in flight (each ignoring
+    EOS, so every one runs its full length). Plain chats: 64 streaming clients in this process would
+    take the two cores' CPU the gateway needs."""
+    with proxied(config.database_url) as (url, _):
+        gateway = Gateway(config.workdir / f"flood-{secrets.token_hex(4)}", url, model=str(model_path(model)))
+        flooder_key = tenant_key(url, tenant="drill-flooder")
+        gateway.start()
+        try:
+            b = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key, max_retries=0, timeout=120)
+            alone, b_failures = _timed_chats(b, config.steady_s)
+            stop = threading.Event()
+            answered: list[int] = []
+            failures: Counter[str] = Counter()
+
+            def flood() -> None:
+                a = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=flooder_key, max_retries=0, timeout=300)
+                messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "go on"}]
+                while not stop.is_set():
+                    try:
+                        a.chat.completions.create(
+                            model=MODEL, messages=messages, max_tokens=flood_tokens, extra_body={"ignore_eos": True}
+                        )
+                        answered.append(1)
+                    except openai.APIStatusError as exc:
+                        failures[str(exc.status_code)] += 1
+                        time.sleep(0.05)
+                    except (openai.APIError, httpx.HTTPError):
+                        failures["connection"] += 1
+
+            threads = [threading.Thread(target=flood, daemon=True) for _ in range(flooders)]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)  # the flood fills the batch and the queue
+            during, failed_during = _timed_chats(b, config.steady_s)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=120)
+            return Flood(alone, during, len(answered), dict(failures), b_failures + failed_during)
+        finally:
+            gateway.stop()
+
+
+def _timed_chats(client: openai.OpenAI, seconds: float, at_least: int = 20) -> tuple[list[float], int]:
+    """Seconds of each of one client's 8-token chats, one after another, for ``seconds`` and at least
+    ``at_least`` chats; and how many failed."""
+    latencies: list[float] = []
+    failed = 0
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends or len(latencies) < at_least:
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=MAX_TOKENS
+            )
+        except openai.APIError:
+            failed += 1
+            continue
+        latencies.append(time.monotonic() - started)
+    return latencies, failed
+
+
 def run_all(config: DrillConfig) -> list[Row]:
     drills: list[tuple[str, Callable[[], Row]]] = [
         ("gateway SIGKILL, plain", lambda: gateway_kill(config, stream=False)),
@@ -487,9 +580,9 @@ def run_all(config: DrillConfig) -> list[Row]:
     return rows
 
 
-def markdown(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
 
 
@@ -499,12 +592,18 @@ def main() -> None:
     parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts")
     parser.add_argument("--steady-s", type=float, default=10.0, help="load before and after each fault")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-drills"))
+    parser.add_argument("--flood-model", default="smollm2-135m-instruct", help="the tenant flood's model")
+    parser.add_argument("--flooders", type=int, default=64, help="tenant A's chats in flight")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     with postgres_database() as database_url:
         config = DrillConfig(database_url, args.workdir, args.clients, args.fault_s, args.steady_s)
         rows = run_all(config)
-    print(markdown(rows))
+        console.print(f"drill: tenant flood ({args.flooders} chats in flight, {args.flood_model}) ...")
+        flood = tenant_flood(config, args.flooders, model=args.flood_model)
+    print(markdown(HEADER, [row.cells() for row in rows]))
+    print()
+    print(markdown(FLOOD_HEADER, [flood.cells()]))
     lost = sum(row.lost + row.duplicated for row in rows)
     console.print(f"{len(rows)} drills: {lost} records lost or duplicated in all")
     sys.exit(1 if lost else 0)

@@ -35,6 +35,7 @@ async def open_local_engine(settings: Settings, model_path: Path, *, weight_vers
         served_model_name=settings.engine.served_model_name or model_path.name,
         max_batch_size=settings.engine.max_batch_size,
         max_queued_requests=settings.engine.max_queued_requests,
+        max_prefill_tokens=settings.engine.max_prefill_tokens,
         prefix_cache_bytes=settings.engine.prefix_cache_bytes,
         packed_linears=settings.engine.packed_linears,
         linear_weights=settings.engine.linear_weights,

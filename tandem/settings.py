@@ -138,6 +138,9 @@ class EngineSettings(_Group):
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     max_batch_size: int = Field(16, ge=1)
     max_queued_requests: int = Field(256, ge=1)
+    max_prefill_tokens: int = Field(
+        128, ge=1, description="local engine: prompt tokens prefilled between two decode steps (at least one request)"
+    )
     prefix_cache_bytes: int = Field(256 << 20, ge=0, description="0 disables session prefix reuse")
     packed_linears: bool = Field(
         True,

@@ -74,6 +74,7 @@ class LocalEngine:
         weight_version: str = "default",
         max_batch_size: int = 16,
         max_queued_requests: int = 256,
+        max_prefill_tokens: int = 128,
         prefix_cache_bytes: int = 256 << 20,
         adapter_cache_bytes: int = 256 << 20,
         torch_threads: int = 0,
@@ -102,7 +103,9 @@ class LocalEngine:
         self._runner = ModelRunner(model, tokenizer, self._prefix, lambda: self._weights.version)
 
         self._cond = threading.Condition()  # reentrant: the scheduler takes it too
-        self._scheduler = Scheduler(self._cond, max_batch=max_batch_size, max_queued=max_queued_requests)
+        self._scheduler = Scheduler(
+            self._cond, max_batch=max_batch_size, max_queued=max_queued_requests, max_prefill_tokens=max_prefill_tokens
+        )
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._paused = False
         self._stopping = False

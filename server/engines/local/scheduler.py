@@ -19,9 +19,12 @@ from server.engines.local.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, cond: threading.Condition, *, max_batch: int, max_queued: int) -> None:
+    def __init__(
+        self, cond: threading.Condition, *, max_batch: int, max_queued: int, max_prefill_tokens: int
+    ) -> None:
         self._cond = cond
         self._max_batch = max_batch
+        self._max_prefill_tokens = max_prefill_tokens
         self._max_queued = max_queued
         self._waiting: deque[Sequence] = deque()
         self._in_flight = 0
@@ -61,14 +64,24 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """Retract one running request if a starved tenant waits, then take waiting requests into
-        the free slots; returns those to prefill (ones cancelled while queued are released)."""
+        the free slots, up to ``max_prefill_tokens`` of prompt (and output, for a retracted one) a step
+        but at least one; returns those to prefill (ones cancelled while queued are released).
+
+        The token bound keeps the decode batch stepping between prefills: a wave of one tenant's
+        requests admitted together would otherwise stall every running request, and a request of
+        another tenant arriving meanwhile, for all of their prefills (SGLang's --max-prefill-tokens)."""
         with self._cond:
             victim = preemption_victim(self._waiting, self.running, self._max_batch)
             if victim is not None:
                 self._retract(victim)
             admitted: list[Sequence] = []
+            budget = self._max_prefill_tokens
             while self._waiting and len(self.running) + len(admitted) < self._max_batch:
                 index = next_to_admit(self._waiting, [*self.running, *admitted])
+                tokens = len(self._waiting[index].input_ids) + len(self._waiting[index].output_ids)
+                if admitted and tokens > budget:
+                    break
+                budget -= tokens
                 admitted.append(self._waiting[index])
                 del self._waiting[index]
         for seq in admitted:

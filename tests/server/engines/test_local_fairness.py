@@ -84,3 +84,38 @@ def test_fair_share_picks_and_victims() -> None:
     assert preemption_victim([a], [a, a, a], 3) is None  # alone, a tenant uses every slot
     assert preemption_victim([Req("b", -1)], [a, a, a], 3) is None  # a rollout does not evict users
     assert preemption_victim([b], [a, Req("c"), b], 3) is None  # b holds a slot already
+
+
+async def test_admissions_are_prefilled_a_token_budget_per_step_between_decode_steps(tiny_model: Path) -> None:
+    """A wave of admissions waits its turn in budget-sized bites: the running batch keeps decoding
+    (and a request of another tenant gets in) instead of waiting for every prefill of the wave."""
+
+    async def order(max_prefill_tokens: int) -> list[tuple[str, int]]:
+        engine = await LocalEngine.open(
+            tiny_model, torch_threads=1, max_batch_size=4, max_prefill_tokens=max_prefill_tokens
+        )
+        events: list[tuple[str, int]] = []
+
+        async def run(name: str) -> None:
+            produced = 0
+            async for chunk in engine.generate(PROMPT, greedy(3), cache_salt="tenant-a"):
+                for _ in chunk.token_ids:
+                    produced += 1
+                    events.append((name, produced))
+
+        try:
+            await engine.pause("in_place")
+            tasks = []
+            for i in range(4):
+                tasks.append(asyncio.create_task(run(f"a{i}")))
+                await async_wait_until(lambda: engine.in_flight == len(tasks), timeout_s=10, what="queued")
+            await engine.resume()
+            await asyncio.gather(*tasks)
+        finally:
+            await engine.close()
+        return events
+
+    one_prompt = await order(max_prefill_tokens=len(PROMPT))
+    assert one_prompt.index(("a0", 2)) < one_prompt.index(("a3", 1))  # a0 decoded while the wave waited
+    every_prompt = await order(max_prefill_tokens=512)
+    assert every_prompt.index(("a0", 2)) > every_prompt.index(("a3", 1))  # all four prefilled first
