@@ -163,6 +163,14 @@ class MegatronPolicy:
             optimizer_offload_fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
             overlap_cpu_optimizer_d2h_h2d=config.optimizer_cpu_offload,  # copies on their own CUDA streams
         )
+        if config.optimizer_cpu_offload:
+            # The hybrid optimizer then holds the float32 master weights itself (on the host for the
+            # offloaded share); otherwise the distributed optimizer keeps a float32 copy on the GPU too.
+            # Set after construction: OptimizerConfig's check of this mode asks TransformerEngine's
+            # version, and fails without it; these are the values it sets for an offloaded optimizer.
+            optimizer_config.use_precision_aware_optimizer = True
+            optimizer_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+            optimizer_config.store_param_remainders = False
         install_multi_tensor_kernels()
         with cuda_as_cpu():
             ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=self.model)
