@@ -370,6 +370,9 @@ class PackedMicroBatch:
     temperature: torch.Tensor | None = None
     # [T] float32: 1 on the positions of ``supervised`` samples (trained by the SFT term); None: none.
     supervised: torch.Tensor | None = None
+    # [T, layers x top_k] int32: the experts each token's rollout routed it to (tandem.moe_routing),
+    # -1 where none was recorded (each sample's last token, samples without); None: no sample has them.
+    routed_experts: torch.Tensor | None = None
 
 
 def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> PackedMicroBatch:
@@ -398,6 +401,7 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         mask += sequence_loss_mask(sample)
         temperature += [sample.rollout_temperature] * sample.total_length
         supervised += [float(sample.supervised)] * sample.total_length
+    routes = [samples[index].rollout_routed_experts for index in micro_batch.sample_indices]
     return PackedMicroBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
@@ -406,7 +410,29 @@ def collate_micro_batch(samples: Sequence[Sample], micro_batch: MicroBatch) -> P
         sample_indices=micro_batch.sample_indices,
         temperature=None if set(temperature) == {1.0} else torch.tensor(temperature, dtype=torch.float32),
         supervised=torch.tensor(supervised, dtype=torch.float32) if any(supervised) else None,
+        routed_experts=_packed_routes(routes, [samples[i].total_length for i in micro_batch.sample_indices]),
     )
+
+
+def _packed_routes(routes: Sequence[list[list[int]] | None], lengths: Sequence[int]) -> torch.Tensor | None:
+    """The samples' recorded routes, one row per packed token (-1 rows where a sample has none)."""
+    recorded = [torch.tensor(r, dtype=torch.int32) for r in routes if r]
+    if not recorded:
+        return None
+    width = recorded[0].shape[1]
+    rows = []
+    for sample_routes, length in zip(routes, lengths, strict=True):
+        if not sample_routes:
+            rows.append(torch.full((length, width), -1, dtype=torch.int32))
+            continue
+        part = torch.tensor(sample_routes, dtype=torch.int32)
+        if part.shape != (length - 1, width):
+            raise PackingError(
+                f"rollout_routed_experts is {list(part.shape)}, expected [{length - 1}, {width}]: a row per "
+                "token but the last, each the same layers x top_k"
+            )
+        rows += [part, torch.full((1, width), -1, dtype=torch.int32)]
+    return torch.cat(rows)
 
 
 def segment_masked_mean(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -449,6 +475,14 @@ class PaddedRows:
     def inputs_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, position_ids)`` on ``device``, copied without blocking (``to_device``)."""
         return to_device(self.input_ids, device), to_device(self.position_ids, device)
+
+    def spread(self, packed: torch.Tensor | None, fill: int) -> torch.Tensor | None:
+        """A packed ``[T, ...]`` laid out as the flattened ``[B * L, ...]`` rows, ``fill`` in the padding."""
+        if packed is None or self.token_index is None:
+            return packed
+        spread = packed.new_full((self.input_ids.numel(), *packed.shape[1:]), fill)
+        spread[self.token_index] = packed
+        return spread
 
     def packed(self, output: torch.Tensor) -> torch.Tensor:
         """The packed row's ``[T, ...]`` from the model's ``[B, L, ...]`` output."""

@@ -43,6 +43,7 @@ from learner.sample import Sample, SampleStatus, scored_temperature
 from learner.sglang_router import sglang_router
 from learner.slime_args import SlimeArgs, slime_args
 from tandem.aio import gather_or_cancel
+from tandem.moe_routing import routes_from_base64
 
 __all__ = [
     "PromptSource",
@@ -103,6 +104,8 @@ class RolloutConfig:
     seed: int | None = None
     custom_generate_path: str | None = None
     rollout_path: str | None = None
+    # MoE models: record each sample's routed experts, and train through them (tandem.moe_routing).
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -142,6 +145,7 @@ class RolloutConfig:
             "sglang_server_concurrency": self.concurrency,
             "custom_generate_function_path": self.custom_generate_path,
             "rollout_function_path": self.rollout_path,
+            "use_rollout_routing_replay": self.routing_replay,
         }
 
 
@@ -198,6 +202,8 @@ async def rollout_group(
     }
     if seed is not None:
         body["seed"] = seed
+    if config.routing_replay:
+        body["return_routed_experts"] = True
     if prompt.session_id:
         body["session_id"] = prompt.session_id  # same replica as the user's session: its cache has the prompt
     try:
@@ -414,6 +420,7 @@ def _sample(prompt: Sample, choice: dict[str, Any], group_index: int, temperatur
         response=str(choice["text"]),
         label=prompt.label,
         rollout_log_probs=[float(lp) for lp in choice["logprobs"]],
+        rollout_routed_experts=_routes(choice, len(prompt.prompt_token_ids)),
         rollout_temperature=scored_temperature(temperature),
         weight_versions=_versions_in_order(spans),
         status=SampleStatus.TRUNCATED if choice["finish_reason"] == "length" else SampleStatus.COMPLETED,
@@ -421,6 +428,13 @@ def _sample(prompt: Sample, choice: dict[str, Any], group_index: int, temperatur
         session_id=prompt.session_id,
         metadata=_metadata(prompt, choice_index=int(choice["index"]), weight_spans=spans),
     )
+
+
+def _routes(choice: dict[str, Any], prompt_length: int) -> list[list[int]] | None:
+    """The choice's routed experts (SGLang's base64 int32), a row per token but the last."""
+    if not choice.get("routed_experts"):
+        return None
+    return routes_from_base64(choice["routed_experts"], prompt_length + len(choice["output_ids"]) - 1)
 
 
 def _metadata(prompt: Sample, **extra: Any) -> dict[str, Any]:

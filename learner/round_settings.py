@@ -135,6 +135,7 @@ def round_config(
             max_new_tokens=settings.learner.rollout_max_tokens,
             custom_generate_path=settings.learner.custom_generate_path,
             rollout_path=settings.learner.rollout_path,
+            routing_replay=settings.learner.routing_replay,
         ),
         dynamic_filter_path=settings.learner.dynamic_filter_path,
         buffer_filter_path=settings.learner.buffer_filter_path,

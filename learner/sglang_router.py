@@ -91,6 +91,8 @@ def rollout_body(body: Any, routing_key: str | None) -> dict[str, Any]:
         request["seed"] = params["sampling_seed"]
     if params.get("json_schema") is not None:
         request["json_schema"] = params["json_schema"]
+    if body.get("return_routed_experts"):
+        request["return_routed_experts"] = True
     if routing_key:
         request["session_id"] = routing_key  # slime's consistent-hashing key: same replica, warm cache
     return request
@@ -110,6 +112,8 @@ def generate_answer(rollouts: dict[str, Any], *, return_logprob: bool) -> dict[s
     }
     if spans:
         meta["weight_version"] = str(spans[-1]["version"])  # SGLang reports the version that finished it
+    if choice.get("routed_experts"):
+        meta["routed_experts"] = choice["routed_experts"]
     if return_logprob:
         meta["output_token_logprobs"] = [
             [float(lp), token, None] for lp, token in zip(choice["logprobs"], output_ids, strict=True)

@@ -51,6 +51,7 @@ class ChoiceState:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.spans: list[WeightSpan] = []
         self.cached_tokens = 0
+        self.routed_experts: list[list[int]] | None = None  # asked for by a rollout (tandem.moe_routing)
         self.replica: str | None = None
         self.finish: Finish | None = None
 
@@ -93,6 +94,7 @@ class ChoiceState:
                 self._detok.push(chunk.token_ids)
         if chunk.finish is not None:
             self.finish = chunk.finish
+            self.routed_experts = chunk.routed_experts
             if self._detok is not None:
                 self._detok.flush()
             else:

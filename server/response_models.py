@@ -194,6 +194,9 @@ class RolloutChoice(BaseModel):
     finish_reason: str
     weight_versions: list[WeightSpan]
     cached_tokens: int
+    routed_experts: str | None = Field(
+        None, description="with return_routed_experts: base64 int32 expert ids, layers x top_k per token but the last"
+    )
 
 
 class RolloutUsage(BaseModel):

@@ -25,6 +25,7 @@ from server.errors import ApiError
 from server.prompt import PromptRenderer, template_message
 from server.schemas import INT64_MAX, INT64_MIN, Message, StopSequences, check_json_schema
 from tandem.aio import gather_or_cancel
+from tandem.moe_routing import routes_to_base64
 
 __all__ = ["MAX_ROLLOUT_N", "RolloutRequest", "RolloutService"]
 
@@ -56,6 +57,9 @@ class RolloutRequest(BaseModel):
     session_id: str | None = Field(None, max_length=256, description="routes like the user's session (cache reuse)")
     json_schema: str | None = Field(
         None, max_length=1 << 20, description="a JSON Schema (as text) the output must match, as SGLang's /generate"
+    )
+    return_routed_experts: bool = Field(
+        False, description="MoE models: each choice's routed_experts, for routing replay (docs/megatron.md)"
     )
 
     @field_validator("json_schema")
@@ -114,6 +118,7 @@ class RolloutService:
             top_k=request.top_k if request.top_k > 0 else -1,
             stop=request.stop_list,
             json_schema=request.json_schema,
+            return_routed_experts=request.return_routed_experts,
         )
         seeds = [None if request.seed is None else _wrap_int64(request.seed + i) for i in range(request.n)]
         started = time.perf_counter()
@@ -184,4 +189,6 @@ def _choice(state: ChoiceState) -> dict[str, Any]:
         "finish_reason": state.finish_reason,
         "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in state.spans],
         "cached_tokens": state.cached_tokens,
+        # SGLang's layout (base64 int32, a row of layers x top_k per token but the last); null: not asked.
+        "routed_experts": None if state.routed_experts is None else routes_to_base64(state.routed_experts),
     }

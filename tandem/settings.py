@@ -308,6 +308,11 @@ class LearnerSettings(_Group):
     reward_batched: bool = _learn("reward_batched", False, description="the reward plugin scores a group (--group-rm)")
     custom_generate_path: str | None = _learn("custom_generate_path", None, description="slime's generate plugin")
     rollout_path: str | None = _learn("rollout_path", None, description="slime's --rollout-function-path")
+    routing_replay: bool = _learn(
+        "routing_replay",
+        False,
+        description="MoE models: rollouts record their routed experts and training replays them (R3; torch backend)",
+    )
     eval_rollout_path: str | None = _learn("eval_rollout_path", None, description="slime's --eval-function-path")
     dynamic_filter_path: str | None = _learn("dynamic_filter_path", None, description="slime's dynamic filter")
     buffer_filter_path: str | None = _learn("buffer_filter_path", None, description="slime's --buffer-filter-path")

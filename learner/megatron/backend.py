@@ -192,6 +192,11 @@ class MegatronPolicy:
         backend: one fused causal attention call per layer (a packed row attends a sample at a time).
         Context parallel needs the packed row: it splits each sample across ranks.
         """
+        if batch.routed_experts is not None:
+            raise ValueError(
+                "the samples carry rollout_routed_experts: routing replay runs on the torch backend; "
+                "the megatron backend does not replay them yet"
+            )
         if self.config.context_parallel > 1:
             return self._forward_packed(batch)
         rows = padded_rows(batch, length_multiple=self._row_multiple())

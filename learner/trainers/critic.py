@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
+from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples
 from learner.sample import Sample
+from learner.trainers.row_forward import forward_rows
 from learner.trainers.step_loss import shifted
 
 __all__ = ["VALUE_HEAD_FILE", "ValueHead", "forward_logits_and_values", "response_values"]
@@ -61,10 +62,7 @@ class ValueHead(nn.Module):
 def forward_logits_and_values(model: nn.Module, head: ValueHead, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
     """``[T, V]`` logits of the packed row and ``[T]`` values (0 at each sample's first token; the
     value of token t's state is the head on the hidden state at t - 1)."""
-    device = next(model.parameters()).device
-    rows = padded_rows(batch)
-    input_ids, position_ids = rows.inputs_on(device)
-    output = model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True)
+    rows, output = forward_rows(model, batch, output_hidden_states=True)
     values = head(rows.packed(output.hidden_states[-1]))
     return rows.packed(output.logits), shifted(values, batch.cu_seqlens)
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples, padded_rows
+from learner.batching import PackedMicroBatch, collate_micro_batch, pack_samples
 from learner.sample import Sample
 from learner.trainers.critic import ValueHead, forward_logits_and_values, response_values
+from learner.trainers.row_forward import forward_rows
 from learner.trainers.step_loss import (
     StepTotals,
     all_finite,
@@ -58,10 +59,8 @@ def forward_logits(model: nn.Module, batch: PackedMicroBatch) -> Tensor:
     forward for the micro-batch, and SDPA keeps its fused causal kernel (a packed row would need a
     ``[T, T]`` block mask, which rules the flash kernel out).
     """
-    device = next(model.parameters()).device
-    rows = padded_rows(batch)
-    input_ids, position_ids = rows.inputs_on(device)
-    return rows.packed(model(input_ids=input_ids, position_ids=position_ids).logits)
+    rows, output = forward_rows(model, batch)
+    return rows.packed(output.logits)
 
 
 def compute_log_probs(model: nn.Module, batch: PackedMicroBatch) -> Tensor:

@@ -56,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # A JSON Schema (as text) the output must match, enforced token by token (SGLang's json_schema).
     json_schema: str | None = None
+    # Record the experts an MoE model routed each token to (tandem.moe_routing), for routing replay.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -105,6 +107,8 @@ class TokenChunk:
     finish: Finish | None = None
     replica: str | None = None
     adapter: str | None = None
+    # On the last chunk, when asked for: per token fed through the model, its layers x top_k experts.
+    routed_experts: list[list[int]] | None = None
 
 
 @dataclass(slots=True, frozen=True)

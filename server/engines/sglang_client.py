@@ -28,6 +28,7 @@ from server.engines.base import (
 from server.engines.sglang_adapters import ResidentAdapters
 from server.engines.sglang_protocol import finish_from_json, sampling_to_json
 from server.weight_delta import WeightDelta
+from tandem.moe_routing import routes_from_base64
 
 
 def _context_length_from_config(model_path: str) -> int:
@@ -161,6 +162,8 @@ class SGLangClient:
         }
         if sampling.top_logprobs:
             body["top_logprobs_num"] = sampling.top_logprobs
+        if sampling.return_routed_experts:  # SGLang servers need --enable-return-routed-experts
+            body["return_routed_experts"] = True
         if request_id:
             body["rid"] = request_id
         if session_key:
@@ -311,14 +314,19 @@ def _logprobs(meta: dict[str, Any], key: str, start: int) -> list[Any]:
 def _chunk_from_event(event: dict[str, Any], seen: int) -> TokenChunk:
     meta = event.get("meta_info", {})
     top = _logprobs(meta, "output_top_logprobs", seen)
+    output_ids = list(event.get("output_ids", []))
+    routes = meta.get("routed_experts")
     return TokenChunk(
-        token_ids=list(event.get("output_ids", []))[seen:],
+        token_ids=output_ids[seen:],
         logprobs=[float(entry[0]) for entry in _logprobs(meta, "output_token_logprobs", seen)],
         weight_version=str(meta.get("weight_version", "default")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         top_logprobs=[[(int(alt[1]), float(alt[0])) for alt in alts or []] for alts in top],
         finish=finish_from_json(meta.get("finish_reason")),
+        routed_experts=routes_from_base64(routes, int(meta.get("prompt_tokens", 0)) + len(output_ids) - 1)
+        if routes
+        else None,
     )
 
 
@@ -341,5 +349,5 @@ def _chunks_from_final(event: dict[str, Any]) -> list[TokenChunk]:
                 top_logprobs=whole.top_logprobs[start:end],
             )
         )
-    chunks[-1].finish = whole.finish
+    chunks[-1].finish, chunks[-1].routed_experts = whole.finish, whole.routed_experts
     return chunks

@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,15 @@ from server.engines.base import DEFAULT_PRIORITY, AdapterRef, EngineError, Pause
 from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
 from server.engines.local.torch_threads import off_engine_thread
-from server.engines.sglang_protocol import finish_to_json, flag, sampling_from_json, spans_to_json
+from server.engines.sglang_protocol import (
+    finish_to_json,
+    flag,
+    sampling_from_json,
+    spans_to_json,
+)
 from server.engines.tensor_ipc import TensorPayloadError, deserialize_named_tensors
 from server.weight_delta import WeightDelta
+from tandem.moe_routing import routes_to_base64
 
 # What /model_info announces this process can load weights from (SGLang itself has disk and tensor).
 WEIGHT_SOURCES = ("disk", "delta", "tensor")
@@ -57,6 +64,8 @@ class GenerateResult:
             "cached_tokens": last.cached_tokens,
             "weight_version": last.weight_version,
         }
+        if last.routed_experts is not None:
+            meta["routed_experts"] = routes_to_base64(last.routed_experts)
         if self.return_logprob:
             meta["output_token_logprobs"] = self.logprobs
             if self.top_logprobs:
@@ -90,7 +99,8 @@ def parse_generate(body: Any, tokenizer: Any) -> tuple[list[int], SamplingParams
     priority = body.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError("priority must be an integer")
-    return input_ids, sampling_from_json(params, top)
+    sampling = sampling_from_json(params, top)
+    return input_ids, replace(sampling, return_routed_experts=flag(body, "return_routed_experts"))
 
 
 class NamedAdapters:

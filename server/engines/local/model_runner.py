@@ -17,6 +17,7 @@ from server.engines.local.lora import BatchLora
 from server.engines.local.prefix_cache import PrefixCache
 from server.engines.local.sampler import sample
 from server.engines.local.sequence import Sequence, deliver
+from tandem.moe_routing import RouteRecorder
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
@@ -45,6 +46,7 @@ class ModelRunner:
         vocab_size = int(model.config.vocab_size)
         self.grammars = GrammarCache(tokenizer, vocab_size, sorted(self.eos_ids))
         self._masks = MaskFiller(vocab_size)
+        self._routes = RouteRecorder(model)
 
     def check_prompt(self, input_ids: list[int]) -> None:
         """Refuse a prompt the model cannot take, before it is queued."""
@@ -63,22 +65,26 @@ class ModelRunner:
         """Run ``seq``'s uncached tokens, sample its next token, and return its KV."""
         tokens = seq.tokens
         reuse, kv = 0, None
-        # A retracted request (it has output already) re-prefills everything.
-        if seq.prefix_key and not seq.output_ids:
+        # A retracted request (it has output already) re-prefills everything; one recording its routes
+        # too, as a cached prefix holds no routes.
+        record = seq.sampling.return_routed_experts
+        if seq.prefix_key and not seq.output_ids and not record:
             reuse, kv = self._prefix.take(seq.prefix_key, tokens)
             seq.cached_tokens = reuse
         cache = kv.to_cache() if kv is not None else DynamicCache(config=self._model.config)
         positions = torch.arange(reuse, len(tokens), device=self._device)
         allowed = self._masks.start([seq.matcher])
         self._lora.set_rows([seq.adapter])
-        out = self._model(
-            input_ids=torch.tensor([tokens[reuse:]], device=self._device),
-            attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=self._device),
-            position_ids=positions[None],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._routes.recording(record) as routes:
+            out = self._model(
+                input_ids=torch.tensor([tokens[reuse:]], device=self._device),
+                attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=self._device),
+                position_ids=positions[None],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        seq.routes = routes
         self._accept([seq], out.logits[:, -1], allowed)
         return RowKV.from_cache(cache)
 
@@ -88,13 +94,17 @@ class ModelRunner:
         mask = batch.grow_mask()
         allowed = self._masks.start([seq.matcher for seq in seqs])  # computed while the forward runs
         self._lora.set_rows([seq.adapter for seq in seqs])
-        out = self._model(
-            input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs], device=self._device),
-            attention_mask=mask,
-            position_ids=positions,
-            cache=batch.cache,
-            use_cache=True,
-        )
+        with self._routes.recording(any(seq.sampling.return_routed_experts for seq in seqs)) as routes:
+            out = self._model(
+                input_ids=torch.tensor([[seq.output_ids[-1]] for seq in seqs], device=self._device),
+                attention_mask=mask,
+                position_ids=positions,
+                cache=batch.cache,
+                use_cache=True,
+            )
+        for row, step_routes in enumerate(routes[0] if routes else ()):
+            if seqs[row].sampling.return_routed_experts:
+                seqs[row].routes.append(step_routes[None])
         self._accept(seqs, out.logits[:, -1], allowed)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, allowed: Future[torch.Tensor | None]) -> None:
@@ -115,6 +125,7 @@ class ModelRunner:
                 top_logprobs=[sampled.top_logprobs[row]] if seq.sampling.top_logprobs else [],
                 finish=finish,
                 adapter=seq.adapter.key if seq.adapter else None,
+                routed_experts=torch.cat(seq.routes).tolist() if finish and seq.routes else None,
             )
             outputs.append((seq, chunk))
         deliver(outputs)

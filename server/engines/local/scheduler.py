@@ -19,9 +19,7 @@ from server.engines.local.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(
-        self, cond: threading.Condition, *, max_batch: int, max_queued: int, max_prefill_tokens: int
-    ) -> None:
+    def __init__(self, cond: threading.Condition, *, max_batch: int, max_queued: int, max_prefill_tokens: int) -> None:
         self._cond = cond
         self._max_batch = max_batch
         self._max_prefill_tokens = max_prefill_tokens

@@ -34,6 +34,8 @@ class Sequence:
     priority: int = 0  # admission order only: higher is admitted first, running requests stay
     adapter: Adapter | None = None
     matcher: llguidance.LLMatcher | None = None  # the JSON schema's grammar state (server.engines.local.grammar)
+    # With sampling.return_routed_experts: [tokens, layers x top_k] expert ids of every forward so far.
+    routes: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def create(

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from learner.sample import Sample
 from slime.utils.http_utils import post
+from tandem.moe_routing import routes_from_base64
 
 __all__ = ["GenerateState", "generate"]
 
@@ -86,6 +87,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         sample.status = Sample.Status.TRUNCATED
         return sample
     payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+    if getattr(args, "use_rollout_routing_replay", False):
+        payload["return_routed_experts"] = True
     headers = {"X-SMG-Routing-Key": sample.session_id} if sample.session_id else None
     output = await post(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate", payload, headers=headers)
     if not sample.tokens:
@@ -98,4 +101,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         meta_info=output["meta_info"],
         text=output["text"],
     )
+    if output["meta_info"].get("routed_experts"):
+        # A row of layers x top_k expert ids per token but the last, replayed in training (R3).
+        routes = output["meta_info"]["routed_experts"]
+        sample.rollout_routed_experts = routes_from_base64(routes, len(sample.tokens) - 1)
     return sample
