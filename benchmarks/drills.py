@@ -6,7 +6,8 @@ can cut) with clients that chat (plain or streamed) and rate every answer they g
 
 - gateway-kill: SIGKILL the gateway mid-load and start it again on the same data folder.
 - engine-kill: SIGKILL one of two managed `tandem engine` replicas mid-stream; the pool reroutes and
-  restarts it.
+  restarts it. And once more while that replica loads new weights (POST /admin/weights): the pool
+  must end on one version, every replica serving it.
 - postgres-down: the proxy refuses and cuts every PostgreSQL connection for ``fault_s``.
 - disk-full: the journal's disk (a tmpfs of its own, so this needs root) fills up for ``fault_s``,
   then the filler is deleted.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -39,6 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -55,6 +58,7 @@ from tests.fixtures.tcp_proxy import TcpProxy
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
 ADMIN_KEY = "drill-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 MODEL = "drill"  # the name the drills' gateways serve the tiny model under
 
 
@@ -154,21 +158,41 @@ class Gateway:
         assert self._process is not None
         return self._process.pid
 
-    def replicas_healthy(self) -> bool:
-        listed = httpx.get(f"{self.url}/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
-        return listed.status_code == 200 and all(r["healthy"] for r in listed.json()["data"])
+    def replicas(self) -> list[dict[str, Any]]:
+        """GET /admin/engines: each replica's health, weights and load."""
+        listed = httpx.get(f"{self.url}/admin/engines", headers=ADMIN, timeout=5)
+        listed.raise_for_status()
+        return list(listed.json()["data"])
+
+    def admin(self, method: str, path: str, body: dict[str, Any]) -> int:
+        """An admin request's status."""
+        return httpx.request(method, f"{self.url}{path}", json=body, headers=ADMIN, timeout=120).status_code
+
+    def both_replicas_healthy(self) -> bool:
+        return len(self.engine_processes()) == 2 and all(r["healthy"] for r in self.replicas())
+
+    def wait_for_replicas(self) -> None:
+        """Until both managed replicas are healthy (the gateway answers once one is up)."""
+        deadline = time.monotonic() + 120
+        while not self.both_replicas_healthy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the two engine replicas did not both become healthy; log: {self.log}")
+            time.sleep(0.5)
 
     def busiest_replica(self) -> psutil.Process:
         """The managed engine process serving the most requests (routing may favour one), taken at a
         moment it serves some: a kill then cuts streams mid-way."""
         deadline = time.monotonic() + 10
         while True:
-            listed = httpx.get(f"{self.url}/admin/engines", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
-            busiest = max(listed.json()["data"], key=lambda replica: replica["in_flight"])
+            busiest = max(self.replicas(), key=lambda replica: replica["in_flight"])
             if busiest["in_flight"] > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        port = busiest["id"].rsplit(":", 1)[1]
+        return self.replica_process(busiest["id"])
+
+    def replica_process(self, replica_id: str) -> psutil.Process:
+        """The managed engine process behind ``replica_id`` (its URL: the port names it)."""
+        port = replica_id.rsplit(":", 1)[1]
         return next(child for child in self.engine_processes() if port in child.cmdline())
 
     def engine_processes(self) -> list[psutil.Process]:
@@ -413,10 +437,10 @@ def postgres_down(config: DrillConfig) -> Row:
         return drill(config, f"postgres-down {config.fault_s:.0f} s", gateway, url, ledger, Fault(outage))
 
 
-def engine_kill(config: DrillConfig) -> Row:
-    """SIGKILL one of two managed engine replicas under streamed load; recovered once the pool has
-    restarted it and every replica is healthy again."""
-    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+@contextlib.contextmanager
+def two_replica_gateway(config: DrillConfig, ledger: Ledger) -> Iterator[tuple[Gateway, str]]:
+    """A gateway (not started) managing two `tandem engine` replicas of the tiny model, and its
+    database URL through a proxy."""
     data_dir = config.workdir / f"engine-{ledger.tag}"
     data_dir.mkdir(parents=True)
     engines = data_dir / "engines.toml"
@@ -434,30 +458,68 @@ env = {{ TANDEM_TORCH_THREADS = "1", TANDEM_LOG_LEVEL = "WARNING" }}
     )
     with proxied(config.database_url) as (url, _):
         # A 2 s probe: a shorter one can time out on a busy engine on 2 cores and eject a healthy replica.
-        gateway = Gateway(data_dir, url, engine="sglang", engine_config=str(engines), health_interval_s="2")
+        yield Gateway(data_dir, url, engine="sglang", engine_config=str(engines), health_interval_s="2"), url
+
+
+def engine_kill(config: DrillConfig) -> Row:
+    """SIGKILL one of two managed engine replicas under streamed load; recovered once the pool has
+    restarted it and every replica is healthy again."""
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    with two_replica_gateway(config, ledger) as (gateway, url):
         killed: list[psutil.Process] = []
-
-        def both_healthy() -> bool:
-            return len(gateway.engine_processes()) == 2 and gateway.replicas_healthy()
-
-        def wait_for_both() -> None:  # the gateway answers once one replica is up
-            deadline = time.monotonic() + 120
-            while not both_healthy():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the two engine replicas did not both become healthy; log: {gateway.log}")
-                time.sleep(0.5)
 
         def kill_busiest() -> None:
             killed.append(gateway.busiest_replica())
             os.killpg(killed[0].pid, signal.SIGKILL)
 
         def restarted() -> bool:  # another process in the victim's place, every replica healthy
-            return killed[0] not in gateway.engine_processes() and both_healthy()
+            return killed[0] not in gateway.engine_processes() and gateway.both_replicas_healthy()
 
         # 512-token streams: the kill cuts some mid-way (errors the clients see, never lost answers).
         fault = Fault(kill_busiest, restarted)
         name = "engine replica SIGKILL, streamed"
-        return drill(config, name, gateway, url, ledger, fault, stream=True, max_tokens=512, ready=wait_for_both)
+        return drill(
+            config, name, gateway, url, ledger, fault, stream=True, max_tokens=512, ready=gateway.wait_for_replicas
+        )
+
+
+def engine_kill_mid_update(config: DrillConfig) -> Row:
+    """SIGKILL the replica that is loading new weights, mid-load, under streamed load; recovered once
+    the pool has restarted it and every replica is healthy and serves the pool's weights (the update
+    either reached the live replica and the restarted one returns on it, or was rolled back)."""
+    ledger = Ledger(f"drill-{secrets.token_hex(4)}")
+    answers: list[int] = []
+    killed: list[psutil.Process] = []
+    with two_replica_gateway(config, ledger) as (gateway, url):
+
+        def update_and_kill() -> None:
+            body = {"model_path": str(model_path("tiny")), "weight_version": f"{ledger.tag}-v2"}
+            update = threading.Thread(target=lambda: answers.append(gateway.admin("POST", "/admin/weights", body)))
+            update.start()
+            deadline = time.monotonic() + 10
+            while not (loading := [r for r in gateway.replicas() if r["updating_weights"]]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no replica was seen loading the new weights")
+                time.sleep(0.005)
+            killed.append(gateway.replica_process(str(loading[0]["id"])))
+            os.killpg(killed[0].pid, signal.SIGKILL)
+            update.join(timeout=120)
+
+        def one_version() -> bool:  # the victim replaced, every replica healthy on the pool's weights
+            serving = httpx.get(f"{gateway.url}/admin/weights", headers=ADMIN, timeout=5).json()["weight_version"]
+            listed = gateway.replicas()
+            return (
+                killed[0] not in gateway.engine_processes()
+                and len(listed) == 2
+                and all(r["healthy"] and r["weight_version"] == serving for r in listed)
+            )
+
+        name = "engine replica SIGKILL mid-weight-update"
+        fault = Fault(update_and_kill, one_version)
+        row = drill(
+            config, name, gateway, url, ledger, fault, stream=True, max_tokens=512, ready=gateway.wait_for_replicas
+        )
+    return dataclasses.replace(row, drill=f"{name} (update answered {answers[0] if answers else 'nothing'})")
 
 
 def disk_full(config: DrillConfig) -> Row:
@@ -569,6 +631,7 @@ def run_all(config: DrillConfig) -> list[Row]:
         ("gateway SIGKILL, plain", lambda: gateway_kill(config, stream=False)),
         ("gateway SIGKILL, streamed", lambda: gateway_kill(config, stream=True)),
         ("engine replica SIGKILL", lambda: engine_kill(config)),
+        ("engine replica SIGKILL mid-weight-update", lambda: engine_kill_mid_update(config)),
         ("PostgreSQL unreachable", lambda: postgres_down(config)),
         ("journal disk full", lambda: disk_full(config)),
     ]

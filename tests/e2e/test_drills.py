@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import percentile
-from benchmarks.drills import DrillConfig, Row, disk_full, engine_kill, gateway_kill, postgres_down, tenant_flood
+from benchmarks.drills import (
+    DrillConfig,
+    Row,
+    disk_full,
+    engine_kill,
+    engine_kill_mid_update,
+    gateway_kill,
+    postgres_down,
+    tenant_flood,
+)
 from tests.conftest import _in_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -39,6 +48,15 @@ def test_engine_replica_sigkill_under_load(config: DrillConfig) -> None:
     row = engine_kill(config)
     held(row, acknowledged=5)  # 512-token streams: fewer, longer requests
     # Only streams under way on the killed replica fail (cut mid-way); new requests go to the other.
+    assert set(row.failures) <= {"connection", "incomplete stream"}, row
+
+
+@pytest.mark.timeout(600)
+def test_engine_replica_sigkill_mid_weight_update(config: DrillConfig) -> None:
+    """The replica loading new weights dies mid-load: the pool ends on one version, both replicas
+    serving it (recovery waits for that), and nothing acknowledged is lost."""
+    row = engine_kill_mid_update(config)
+    held(row, acknowledged=5)
     assert set(row.failures) <= {"connection", "incomplete stream"}, row
 
 
