@@ -52,11 +52,13 @@ def test_engine_replica_sigkill_under_load(config: DrillConfig) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_engine_replica_sigkill_mid_weight_update(config: DrillConfig) -> None:
-    """The replica loading new weights dies mid-load: the pool ends on one version, both replicas
-    serving it (recovery waits for that), and nothing acknowledged is lost."""
+def test_engine_replica_sigkill_during_a_weight_update(config: DrillConfig) -> None:
+    """A replica dies as new weights roll out: the update succeeds on the live one, the pool ends on
+    the new version with both replicas serving it (recovery waits for that), nothing acknowledged is
+    lost."""
     row = engine_kill_mid_update(config)
     held(row, acknowledged=5)
+    assert row.drill.endswith("(update answered 200)"), row
     assert set(row.failures) <= {"connection", "incomplete stream"}, row
 
 
