@@ -434,7 +434,7 @@ def _routes(choice: dict[str, Any], prompt_length: int) -> list[list[int]] | Non
     """The choice's routed experts (SGLang's base64 int32), a row per token but the last."""
     if not choice.get("routed_experts"):
         return None
-    return routes_from_base64(choice["routed_experts"], prompt_length + len(choice["output_ids"]) - 1)
+    return routes_from_base64(choice["routed_experts"], prompt_length + len(choice["output_ids"]))
 
 
 def _metadata(prompt: Sample, **extra: Any) -> dict[str, Any]:

@@ -33,12 +33,14 @@ def routes_to_base64(routes: list[list[int]]) -> str:
     return base64.b64encode(np.asarray(routes, dtype="<i4").tobytes()).decode("ascii")
 
 
-def routes_from_base64(data: str, tokens: int) -> list[list[int]]:
-    """``routes_to_base64``'s ids as ``tokens`` rows (every token fed through the model)."""
+def routes_from_base64(data: str, sequence_length: int) -> list[list[int]]:
+    """``routes_to_base64``'s ids as rows for a sequence of ``sequence_length`` tokens (prompt and
+    output): one per token but the last, the tokens fed through the model."""
     ids = np.frombuffer(base64.b64decode(data), dtype="<i4")
-    if tokens < 1 or ids.size % tokens:
-        raise ValueError(f"routed_experts holds {ids.size} ids, not a whole row for each of {tokens} tokens")
-    return ids.reshape(tokens, -1).tolist()
+    rows = sequence_length - 1
+    if rows < 1 or ids.size % rows:
+        raise ValueError(f"routed_experts holds {ids.size} ids, not a whole row for each of {rows} tokens")
+    return ids.reshape(rows, -1).tolist()
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:

@@ -324,7 +324,7 @@ def _chunk_from_event(event: dict[str, Any], seen: int) -> TokenChunk:
         cached_tokens=int(meta.get("cached_tokens", 0)),
         top_logprobs=[[(int(alt[1]), float(alt[0])) for alt in alts or []] for alts in top],
         finish=finish_from_json(meta.get("finish_reason")),
-        routed_experts=routes_from_base64(routes, int(meta.get("prompt_tokens", 0)) + len(output_ids) - 1)
+        routed_experts=routes_from_base64(routes, int(meta.get("prompt_tokens", 0)) + len(output_ids))
         if routes
         else None,
     )

@@ -20,12 +20,7 @@ from server.engines.base import DEFAULT_PRIORITY, AdapterRef, EngineError, Pause
 from server.engines.distributed_receiver import BucketRequest, GroupRequest, UpdateGroups
 from server.engines.local.engine import LocalEngine
 from server.engines.local.torch_threads import off_engine_thread
-from server.engines.sglang_protocol import (
-    finish_to_json,
-    flag,
-    sampling_from_json,
-    spans_to_json,
-)
+from server.engines.sglang_protocol import finish_to_json, flag, sampling_from_json, spans_to_json
 from server.engines.tensor_ipc import TensorPayloadError, deserialize_named_tensors
 from server.weight_delta import WeightDelta
 from tandem.moe_routing import routes_to_base64

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 from learner.batching import PackingError, collate_micro_batch, pack_samples
 from learner.rollout import RolloutConfig, rollout_groups
 from learner.sample import Sample
+from learner.slime_args import slime_args
 from learner.trainers import response_log_probs
 from learner.trainers.torch_backend import forward_logits
 from server.app import create_app
@@ -127,13 +128,21 @@ async def test_the_router_still_learns_under_replay(tiny_moe: Path) -> None:
     assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in moe_routers(model))
 
 
-def test_rollouts_through_the_gateway_carry_routes_that_replay_exactly(tiny_moe: Path, tmp_path: Path) -> None:
-    """A round's rollouts with routing_replay: POST /admin/rollouts asks the engine for routes, the
-    samples keep them, and their training log-probs through them are the rollout's."""
+@pytest.mark.parametrize(
+    "generate", [None, "slime.rollout.sglang_rollout.generate"], ids=["rollouts", "slime-generate"]
+)
+def test_rollouts_through_the_gateway_carry_routes_that_replay_exactly(
+    tiny_moe: Path, tmp_path: Path, generate: str | None
+) -> None:
+    """A round's rollouts with routing_replay (tandem's own, or slime's default generate function
+    through the learner's router): the engine is asked for routes, the samples keep them, and their
+    training log-probs through them are the rollout's."""
     settings = gateway_settings(tmp_path, tiny_moe, admin_key=ADMIN_KEY)
-    config = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=6, routing_replay=True)
+    config = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=6, routing_replay=True, custom_generate_path=generate)
     with serve_in_thread(create_app(settings)) as url:
-        (group,) = rollout_groups(url, ADMIN_KEY, [Sample(prompt_token_ids=PROMPT)], config)
+        # What a round hands plugins: the serving checkpoint too (slime's generate reads its tokenizer).
+        args = slime_args(config.slime_args(), server_url=url, admin_key=ADMIN_KEY, hf_checkpoint=str(tiny_moe))
+        (group,) = rollout_groups(url, ADMIN_KEY, [Sample(prompt_token_ids=PROMPT)], config, args=args)
     model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
     for sample in group:
         assert sample.rollout_routed_experts is not None

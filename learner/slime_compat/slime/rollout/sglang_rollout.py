@@ -104,5 +104,5 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if output["meta_info"].get("routed_experts"):
         # A row of layers x top_k expert ids per token but the last, replayed in training (R3).
         routes = output["meta_info"]["routed_experts"]
-        sample.rollout_routed_experts = routes_from_base64(routes, len(sample.tokens) - 1)
+        sample.rollout_routed_experts = routes_from_base64(routes, len(sample.tokens))
     return sample
